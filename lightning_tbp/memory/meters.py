@@ -1,0 +1,81 @@
+"""Allocator peak of a code region, exact on CPU and CUDA.
+
+CPU: PyTorch's CPU allocator has no peak counter, but the profiler records every allocation
+and free as a ``[memory]`` event with a signed byte count. Replaying those events in time order
+gives the exact allocator peak of the region (checked against torch 2.13).
+CUDA: the caching allocator's own ``max_memory_allocated`` after a peak reset.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch._C._autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+
+@dataclass
+class AllocatorPeak:
+    """Bytes allocated by tensors inside a measured region, relative to its start."""
+
+    peak_bytes: int = 0
+    """Highest net allocation reached inside the region."""
+    net_bytes: int = 0
+    """Net allocation left when the region ended (what it kept alive)."""
+
+
+@contextlib.contextmanager
+def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for event in events:
+        if event.device_type() != DeviceType.CPU:
+            continue
+        current += event.nbytes()
+        peak = max(peak, current)
+    result.peak_bytes, result.net_bytes = peak, current
+
+
+@contextlib.contextmanager
+def _cuda_region(result: AllocatorPeak, device: torch.device) -> Iterator[None]:
+    torch.cuda.synchronize(device)
+    start = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield
+    torch.cuda.synchronize(device)
+    result.peak_bytes = torch.cuda.max_memory_allocated(device) - start
+    result.net_bytes = torch.cuda.memory_allocated(device) - start
+
+
+@contextlib.contextmanager
+def allocator_peak(device: torch.device | str = "cpu") -> Iterator[AllocatorPeak]:
+    """Measure the exact allocator peak of the ``with`` body on ``device``.
+
+    >>> with allocator_peak("cpu") as m:
+    ...     y = torch.ones(1024)
+    >>> m.peak_bytes >= 4096
+    True
+    """
+    device = torch.device(device)
+    result = AllocatorPeak()
+    if device.type == "cuda":
+        region = _cuda_region(result, device)
+    elif device.type == "cpu":
+        region = _cpu_region(result)
+    else:
+        raise ValueError(f"no exact allocator meter for device type {device.type!r} (cpu and cuda are supported)")
+    with region:
+        yield result
+
+
+def measure_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> AllocatorPeak:
+    """Run ``fn`` once and return its exact allocator peak (see :func:`allocator_peak`)."""
+    with allocator_peak(device) as result:
+        fn()
+    return result

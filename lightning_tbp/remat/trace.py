@@ -1,0 +1,323 @@
+"""Memory-safe profile of one forward pass: every op, every storage, every saved tensor.
+
+The model may only fit in memory *with* a plan, so profiling never runs a training step. It
+runs one forward pass in which autograd's saved tensors are replaced by ``None`` through
+``saved_tensors_hooks``: the graph is built but holds nothing, so the pass costs what inference
+costs. Meanwhile a ``TorchDispatchMode`` sees every aten op below autograd and records
+
+* the storages each op creates (views and in-place results are resolved to the storage they
+  alias, so a saved view counts the bytes it really keeps alive),
+* which storages autograd *would* have saved, attributed to the op that saved them,
+* the op's FLOPs (torch's FLOP formulas) and whether it is "heavy" (matmul/conv/attention),
+* the candidate module (block) that was running, and the tensors entering and leaving it.
+
+The simulator replays this trace under any plan, so the trace is all the planner needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_tbp.remat.flops import flop_count
+from lightning_tbp.remat.workspace import WorkspaceCalibrator
+
+#: Relative cost of one element produced by a memory-bound op (norm, activation, add), in
+#: FLOP-equivalents. It only ranks cheap recomputation against matmul/conv recomputation;
+#: reported FLOP ratios count real FLOPs alone.
+POINTWISE_COST_PER_ELEMENT = 8
+
+
+@dataclass
+class Node:
+    """One candidate block: a module called exactly once per forward."""
+
+    index: int
+    path: str
+    parent: int  # index of the enclosing candidate node, -1 for the root
+    depth: int
+    first_event: int = -1
+    last_event: int = -1
+    inputs: tuple[int, ...] = ()  # storage ids of the tensors passed in (args and kwargs)
+    outputs: tuple[int, ...] = ()
+    children: list[int] = field(default_factory=list)
+
+    @property
+    def has_events(self) -> bool:
+        return self.first_event >= 0 and self.last_event >= self.first_event
+
+
+@dataclass
+class Trace:
+    """Everything the simulator needs, as flat lists indexed by storage id or event index."""
+
+    storage_bytes: list[int] = field(default_factory=list)
+    storage_needs_grad: list[bool] = field(default_factory=list)
+    storage_is_activation: list[bool] = field(default_factory=list)  # False: parameter/buffer/input
+    storage_producer: list[int] = field(default_factory=list)  # event index, -1 if made outside
+    event_node: list[int] = field(default_factory=list)
+    event_inputs: list[tuple[int, ...]] = field(default_factory=list)
+    event_outputs: list[tuple[int, ...]] = field(default_factory=list)
+    event_saves: list[list[int]] = field(default_factory=list)
+    event_heavy: list[bool] = field(default_factory=list)
+    event_flops: list[int] = field(default_factory=list)
+    event_cost: list[float] = field(default_factory=list)
+    event_op: list[str] = field(default_factory=list)
+    event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
+    nodes: list[Node] = field(default_factory=list)
+    module_outputs: tuple[int, ...] = ()
+    parameter_grad_bytes: int = 0
+
+    @property
+    def num_events(self) -> int:
+        return len(self.event_node)
+
+    def node_by_path(self, path: str) -> Node:
+        for node in self.nodes:
+            if node.path == path:
+                return node
+        raise KeyError(path)
+
+
+def _storage_key(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, ...)
+        return None
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _output_tensors(output: object) -> list[torch.Tensor]:
+    """Tensors in a module output, including diffusers' ``BaseOutput`` dataclasses."""
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    return _tensors(output)
+
+
+class _Recorder(TorchDispatchMode):
+    """Dispatch mode that turns every aten op into a trace event."""
+
+    def __init__(self, trace: Trace, node_stack: list[int]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.calibrator = WorkspaceCalibrator()
+        self.node_stack = node_stack
+        self.key_to_sid: dict[int, int] = {}
+        self.pending_saves: list[int] = []
+
+    def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
+        """Storage id of ``tensor``, registering storages made outside the recorder."""
+        key = _storage_key(tensor)
+        if key is None:
+            return None
+        sid = self.key_to_sid.get(key)
+        if sid is None:
+            sid = self._new_storage(key, tensor, producer=-1, activation=activation)
+            self.trace.storage_needs_grad[sid] = tensor.requires_grad
+        return sid
+
+    def _new_storage(self, key: int, tensor: torch.Tensor, producer: int, activation: bool) -> int:
+        trace = self.trace
+        sid = len(trace.storage_bytes)
+        trace.storage_bytes.append(tensor.untyped_storage().nbytes())
+        trace.storage_needs_grad.append(False)
+        trace.storage_is_activation.append(activation)
+        trace.storage_producer.append(producer)
+        self.key_to_sid[key] = sid
+        return sid
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        trace = self.trace
+        event = trace.num_events
+        inputs = tuple(dict.fromkeys(s for t in _tensors((args, kwargs)) if (s := self.sid_of(t)) is not None))
+        input_set = set(inputs)
+        grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
+        outputs: list[int] = []
+        new_elements = 0
+        for tensor in _tensors(out):
+            key = _storage_key(tensor)
+            if key is None:
+                continue
+            sid = self.key_to_sid.get(key)
+            if sid is not None and sid in input_set:
+                continue  # a view or an in-place result: same storage as an input
+            sid = self._new_storage(key, tensor, producer=event, activation=True)
+            trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
+            outputs.append(sid)
+            new_elements += tensor.numel()
+        flops = flop_count(func, args, kwargs, out)
+        if flops > 0 and grad_flows:
+            needs_grad = [bool(trace.storage_needs_grad[self.sid_of(t)]) for t in _tensors((args, kwargs))]
+            self.calibrator.note(event, func, args, kwargs, needs_grad)
+        trace.event_node.append(self.node_stack[-1])
+        trace.event_inputs.append(inputs)
+        trace.event_outputs.append(tuple(outputs))
+        trace.event_saves.append(self.pending_saves)
+        self.pending_saves = []
+        trace.event_heavy.append(flops > 0)
+        trace.event_flops.append(flops)
+        trace.event_cost.append(float(flops) if flops > 0 else float(POINTWISE_COST_PER_ELEMENT * new_elements))
+        trace.event_op.append(str(func.__name__))
+        return out
+
+    def record_save(self, tensor: torch.Tensor) -> None:
+        """Attribute a tensor autograd saves to the op that saves it.
+
+        Autograd saves an op's *inputs* before the op reaches the dispatcher and its *outputs*
+        after, so an output of the latest event belongs to that event and anything else to the
+        next one.
+        """
+        sid = self.sid_of(tensor)
+        if sid is None or not self.trace.storage_is_activation[sid]:
+            return  # parameters and buffers are not activation memory
+        trace = self.trace
+        last = trace.num_events - 1
+        if last >= 0 and sid in trace.event_outputs[last] and trace.event_node[last] == self.node_stack[-1]:
+            trace.event_saves[last].append(sid)
+        else:
+            self.pending_saves.append(sid)
+
+    def finish(self) -> None:
+        if self.pending_saves and self.trace.num_events:
+            self.trace.event_saves[-1].extend(self.pending_saves)
+        self.pending_saves = []
+
+
+def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
+    """Modules the planner may wrap: every submodule that has submodules of its own.
+
+    Leaf layers (a single Linear, Conv or norm) are not blocks: checkpointing one saves almost
+    nothing. Their parents (a ResNet block, an attention block, a transformer block) are the
+    finest granularity; inside them the planner chooses selective recomputation instead.
+    """
+    return {
+        sub: name
+        for name, sub in module.named_modules()
+        if name and any(True for _ in sub.children()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict))
+    }
+
+
+@contextlib.contextmanager
+def _frozen_buffers(module: nn.Module) -> Iterator[None]:
+    """Restore buffers (e.g. running statistics) that the profiling forward may update."""
+    saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, buf in module.named_buffers():
+                buf.copy_(saved[name])
+
+
+def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
+    """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
+
+    Random number generators are forked so the profiling pass does not shift the training run's
+    random stream (dropout stays reproducible), and buffers are restored afterwards.
+    """
+    trace = Trace()
+    root = Node(index=0, path="", parent=-1, depth=0)
+    trace.nodes.append(root)
+    node_stack = [0]
+    recorder = _Recorder(trace, node_stack)
+    calls: dict[int, int] = {}
+    candidates = candidate_modules(module)
+    handles = []
+
+    def enter(sub: nn.Module, sub_args: tuple, sub_kwargs: dict) -> None:
+        calls[id(sub)] = calls.get(id(sub), 0) + 1
+        parent = trace.nodes[node_stack[-1]]
+        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index, depth=parent.depth + 1)
+        node.first_event = trace.num_events
+        node.inputs = tuple(s for t in _tensors((sub_args, sub_kwargs)) if (s := recorder.sid_of(t)) is not None)
+        trace.nodes.append(node)
+        parent.children.append(node.index)
+        node_stack.append(node.index)
+
+    def leave(sub: nn.Module, sub_args: tuple, sub_kwargs: dict, output: object) -> None:
+        node = trace.nodes[node_stack.pop()]
+        node.last_event = trace.num_events - 1
+        node.outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
+
+    for sub in candidates:
+        handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(sub.register_forward_hook(leave, with_kwargs=True))
+
+    for param in module.parameters():
+        recorder.sid_of(param)
+    for buf in module.buffers():
+        recorder.sid_of(buf)
+    for tensor in _tensors((args, kwargs)):
+        recorder.sid_of(tensor)
+
+    def pack(tensor: torch.Tensor) -> None:
+        recorder.record_save(tensor)
+        return None
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
+
+    devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    try:
+        with (
+            _frozen_buffers(module),
+            torch.random.fork_rng(devices=cuda_devices),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+            recorder,
+        ):
+            output = module(*args, **kwargs)
+            recorder.finish()
+            trace.module_outputs = tuple(
+                s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None
+            )
+            del output
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    trace.event_workspace = [0] * trace.num_events
+    for event, workspace in recorder.calibrator.measure().items():
+        trace.event_workspace[event] = workspace
+    repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
+    if repeated:
+        _drop_repeated(trace, repeated)
+    root.first_event, root.last_event = 0, trace.num_events - 1
+    trace.parameter_grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    return trace
+
+
+def _drop_repeated(trace: Trace, repeated: set[str]) -> None:
+    """Merge nodes of modules called more than once into their parent.
+
+    A checkpoint wrapper applies to every call of a module, but the simulator (and the plan)
+    reason about one call; such modules are left to their parent, which is exact and only
+    coarser.
+    """
+    old_nodes = trace.nodes
+    keep = [n for n in old_nodes if not any(n.path == r or n.path.startswith(r + ".") for r in repeated)]
+    remap = {n.index: i for i, n in enumerate(keep)}
+
+    def surviving(index: int) -> int:
+        while index not in remap:
+            index = old_nodes[index].parent
+        return remap[index]
+
+    trace.event_node = [surviving(n) for n in trace.event_node]
+    parents = [surviving(n.parent) if n.parent >= 0 else -1 for n in keep]
+    for node, parent in zip(keep, parents):
+        node.children = [remap[c] for c in node.children if c in remap]
+        node.index, node.parent = remap[node.index], parent
+    trace.nodes = keep

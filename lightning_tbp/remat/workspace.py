@@ -1,0 +1,85 @@
+"""Backward workspace of heavy ops, measured rather than guessed.
+
+Convolution and matmul backward kernels allocate temporaries beyond the gradients they return
+(layout conversions on CPU, cuDNN/cuBLAS workspaces on CUDA). They sit on top of whatever is live
+at that moment, so the simulator must know them. Each distinct (op, shapes, dtypes, arguments)
+is run once on its own through forward and backward under the exact allocator meter; the
+workspace is the backward peak minus the gradients it leaves behind. One op at a time keeps
+this memory-safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_tbp.memory.meters import measure_peak
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    needs_grad: bool
+
+    def materialise(self) -> torch.Tensor:
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        if self.dtype.is_floating_point:
+            tensor.normal_()
+        else:
+            tensor.zero_()
+        return tensor.requires_grad_(self.needs_grad)
+
+
+class WorkspaceCalibrator:
+    """Collects heavy ops during tracing and measures their backward workspace afterwards."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple, tuple[Any, tuple, dict]] = {}
+        self.event_keys: dict[int, tuple] = {}
+
+    def note(self, event: int, func: Any, args: tuple, kwargs: dict, needs_grad: list[bool]) -> None:
+        """Remember the op of ``event``; ``needs_grad`` flags which tensor arguments need gradients."""
+        flags = iter(needs_grad)
+
+        def describe(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            grad = next(flags) and x.is_floating_point()
+            return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.device, grad)
+
+        spec = tree_map(describe, (args, kwargs))
+        key = (func, *tree_flatten(spec)[0])
+        self._specs.setdefault(key, (func, *spec))
+        self.event_keys[event] = key
+
+    def measure(self) -> dict[int, int]:
+        """Workspace bytes per noted event."""
+        per_key = {key: _measure_one(*spec) for key, spec in self._specs.items()}
+        return {event: per_key[key] for event, key in self.event_keys.items()}
+
+
+def _measure_one(func: Any, spec_args: tuple, spec_kwargs: dict) -> int:
+    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
+    if not any(x.needs_grad for x in specs) or specs[0].device.type not in ("cpu", "cuda"):
+        return 0
+    args, kwargs = tree_map(
+        lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
+        (spec_args, spec_kwargs),
+        is_leaf=lambda x: isinstance(x, _TensorSpec),
+    )
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+    with torch.enable_grad():
+        out = func(*args, **kwargs)
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        return 0
+    grads_out = [torch.randn_like(o) for o in outs]
+    grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    peak = measure_peak(lambda: torch.autograd.backward(outs, grads_out), specs[0].device).peak_bytes
+    return max(0, peak - grad_bytes)

@@ -9,7 +9,7 @@ call time, so switching between plans cached for different input shapes costs no
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -21,7 +21,7 @@ from lightning_tbp.remat.simulate import Option
 
 def _keep_heavy_ops(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Selective policy: keep what is expensive to recompute, recompute the rest."""
-    from lightning_tbp.remat.flops import flop_count  # noqa: PLC0415 - tiny, avoids an import cycle
+    from lightning_tbp.remat.flops import flop_count
 
     if op._overloadpacket in _HEAVY_PACKETS or flop_count(op, args, kwargs, None) > 0:
         return CheckpointPolicy.MUST_SAVE
@@ -29,9 +29,9 @@ def _keep_heavy_ops(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: A
 
 
 def _heavy_packets() -> set[Any]:
-    from torch.utils.flop_counter import flop_registry  # noqa: PLC0415
+    from torch.utils.flop_counter import flop_registry
 
-    from lightning_tbp.remat.flops import FLOP_FORMULAS  # noqa: PLC0415
+    from lightning_tbp.remat.flops import FLOP_FORMULAS
 
     return set(flop_registry) | set(FLOP_FORMULAS)
 
@@ -55,29 +55,35 @@ def _checkpointed_forward(module: nn.Module, options: Mapping[str, Option], path
 
 
 class InstalledWrappers:
-    """Checkpoint wrappers on a module tree; ``remove()`` restores every module."""
+    """Checkpoint wrappers on a module tree; ``remove()`` restores every module.
 
-    def __init__(self, root: nn.Module, options: dict[str, Option]) -> None:
+    ``options`` is shared with the owner and read at call time; ``ensure`` wraps the modules a
+    new plan needs, and modules whose path is absent from ``options`` behave as unwrapped.
+    """
+
+    def __init__(self, root: nn.Module, options: Mapping[str, Option]) -> None:
+        self.root = root
         self.options = options
-        self._wrapped: list[nn.Module] = []
-        modules = dict(root.named_modules())
-        for path in options:
-            self.wrap(modules[path], path)
+        self._wrapped: dict[str, nn.Module] = {}
 
-    def wrap(self, module: nn.Module, path: str) -> None:
+    def ensure(self, paths: Iterable[str]) -> None:
+        missing = [p for p in paths if p not in self._wrapped]
+        if not missing:
+            return
+        modules = dict(self.root.named_modules())
+        for path in missing:
+            self._wrap(modules[path], path)
+
+    def _wrap(self, module: nn.Module, path: str) -> None:
         if "forward" in module.__dict__:
-            if getattr(module.__dict__["forward"], "__lightning_tbp__", False):
-                return
             raise RuntimeError(
                 f"module {path!r} already has an instance-level forward (another wrapper?); "
                 "lightning_tbp wraps modules by setting one and cannot stack on top of it"
             )
-        forward = _checkpointed_forward(module, self.options, path)
-        forward.__lightning_tbp__ = True  # type: ignore[attr-defined]
-        module.forward = forward
-        self._wrapped.append(module)
+        module.forward = _checkpointed_forward(module, self.options, path)
+        self._wrapped[path] = module
 
     def remove(self) -> None:
-        for module in self._wrapped:
+        for module in self._wrapped.values():
             del module.forward
         self._wrapped.clear()

@@ -1,0 +1,92 @@
+"""Memory budgets: what users may write, and how it becomes a number of bytes.
+
+Accepted forms (anything else raises ``ValueError`` listing them):
+
+* a float in (0, 1]: that fraction of the module's naive peak (forward + backward without any
+  checkpoint, measured above the memory held before the forward);
+* an int: bytes;
+* a string with a unit, "6GiB", "512MiB", "1.5GB", "300kB" (binary units are powers of 1024,
+  decimal ones powers of 1000);
+* "auto": on CUDA, the device's free memory at planning time minus a margin of
+  ``AUTO_CUDA_MARGIN`` of its total memory (room for optimizer state created at the first step,
+  allocator fragmentation and the loss); on other devices ``AUTO_DEFAULT_FRACTION`` of the naive
+  peak, since host memory gives no useful bound.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+AUTO_CUDA_MARGIN = 0.10
+AUTO_DEFAULT_FRACTION = 0.5
+ACCEPTED_FORMS = (
+    "a float in (0, 1] (fraction of the naive peak), an int number of bytes, "
+    "a string such as '6GiB', '512MiB' or '1.5GB', or 'auto'"
+)
+_UNITS = {
+    "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """A parsed budget; :meth:`resolve` turns it into bytes for one traced shape."""
+
+    kind: str  # "fraction", "bytes" or "auto"
+    value: float = 0.0
+
+    def resolve(self, naive_peak_bytes: int, device: torch.device) -> int:
+        if self.kind == "bytes":
+            return int(self.value)
+        if self.kind == "fraction":
+            return int(self.value * naive_peak_bytes)
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            return max(0, int(free - AUTO_CUDA_MARGIN * total))
+        return int(AUTO_DEFAULT_FRACTION * naive_peak_bytes)
+
+    def describe(self) -> str:
+        if self.kind == "fraction":
+            return f"{self.value:g} of naive"
+        if self.kind == "bytes":
+            return format_bytes(int(self.value))
+        return "auto"
+
+
+def parse_budget(spec: object) -> MemoryBudget:
+    """Parse a user-facing budget; raise ``ValueError`` naming the accepted forms."""
+    if isinstance(spec, MemoryBudget):
+        return spec
+    if isinstance(spec, bool):
+        raise ValueError(f"memory_budget={spec!r} is not valid; use {ACCEPTED_FORMS}")
+    if isinstance(spec, int):
+        if spec <= 0:
+            raise ValueError(f"memory_budget={spec} bytes must be positive; use {ACCEPTED_FORMS}")
+        return MemoryBudget("bytes", spec)
+    if isinstance(spec, float):
+        if not 0.0 < spec <= 1.0:
+            raise ValueError(f"memory_budget={spec} as a fraction must lie in (0, 1]; use {ACCEPTED_FORMS}")
+        return MemoryBudget("fraction", spec)
+    if isinstance(spec, str):
+        if spec.strip().lower() == "auto":
+            return MemoryBudget("auto")
+        match = _PATTERN.match(spec)
+        if match and match.group(2).lower() in _UNITS:
+            value = float(match.group(1)) * _UNITS[match.group(2).lower()]
+            if value > 0:
+                return MemoryBudget("bytes", int(value))
+    raise ValueError(f"memory_budget={spec!r} is not valid; use {ACCEPTED_FORMS}")
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

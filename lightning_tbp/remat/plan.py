@@ -1,0 +1,332 @@
+"""The public entry point: ``rematerialize(module, *example_args, memory_budget=...)``.
+
+A :class:`Plan` lives on one module. On each forward that builds a graph it looks at the shape
+signature of the inputs; a new signature is profiled (memory-safely, see ``trace.py``), solved and
+cached, and the checkpoint wrappers switch to that signature's options. ``remove()`` takes every
+wrapper and hook off again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
+from lightning_tbp.remat.apply import InstalledWrappers
+from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
+from lightning_tbp.remat.simulate import Option, SimResult, Simulator
+from lightning_tbp.remat.solve import Solver
+from lightning_tbp.remat.trace import Trace, record_trace
+
+log = logging.getLogger("lightning_tbp")
+
+Signature = tuple
+
+
+class NothingToPlanWarning(UserWarning):
+    """The module has no block that a checkpoint could wrap; it runs unchanged."""
+
+
+def input_signature(args: tuple, kwargs: dict) -> Signature:
+    """Shapes, dtypes and devices of the tensors in a call, plus the call's structure."""
+    leaves, spec = tree_flatten((args, kwargs))
+    tensors = tuple((tuple(t.shape), t.dtype, t.device.type) for t in leaves if isinstance(t, torch.Tensor))
+    return (str(spec), tensors)
+
+
+@dataclass
+class BlockDecision:
+    path: str
+    option: Option
+    level: int  # number of checkpoints enclosing this block, itself included
+    kept_bytes: int  # held after the forward under the plan
+    naive_kept_bytes: int  # held after the forward without any checkpoint
+    forward_flops: int
+    recomputations: int
+
+
+@dataclass
+class ShapePlan:
+    """The plan for one input signature."""
+
+    signature: Signature
+    options: dict[str, Option]
+    budget_bytes: int
+    naive: SimResult
+    planned: SimResult
+    forward_flops: int
+    parameter_grad_bytes: int
+    blocks: list[BlockDecision] = field(default_factory=list)
+    profile_seconds: float = 0.0
+    solve_seconds: float = 0.0
+    measured_peak_bytes: int | None = None  # filled by Plan.finish_measurement()
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.planned.peak_bytes
+
+    @property
+    def recompute_flop_ratio(self) -> float:
+        """Recomputed FLOPs over an estimated training step (forward + 2x forward backward)."""
+        return self.planned.recompute_flops / max(3 * self.forward_flops, 1)
+
+
+class Plan:
+    """A rematerialization plan installed on a module; see :func:`rematerialize`."""
+
+    def __init__(self, module: nn.Module, memory_budget: object = "auto", *, measure: bool = False) -> None:
+        """``measure=True``: the first step that reuses a plan is metered (forward start to
+        :meth:`finish_measurement`), so reports show predicted against measured peak."""
+        self.module = module
+        self.measure = measure
+        self._meter: contextlib.ExitStack | None = None
+        self._meter_result: AllocatorPeak | None = None
+        self.budget: MemoryBudget = parse_budget(memory_budget)
+        self.shape_plans: dict[Signature, ShapePlan] = {}
+        self.current: ShapePlan | None = None
+        self._active: dict[str, Option] = {}
+        self._wrappers = InstalledWrappers(module, self._active)
+        self._planning = False
+        self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def plan_for(self, args: tuple, kwargs: dict) -> ShapePlan:
+        """Profile, solve and activate the plan for this call's input signature (cached)."""
+        signature = input_signature(args, kwargs)
+        shape_plan = self.shape_plans.get(signature)
+        if shape_plan is None:
+            shape_plan = self._solve(signature, args, kwargs)
+            self.shape_plans[signature] = shape_plan
+            log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
+        elif self.measure and shape_plan.measured_peak_bytes is None and self._meter is None:
+            self._meter = contextlib.ExitStack()
+            self._meter_result = self._meter.enter_context(allocator_peak(_device_of(self.module, args, kwargs)))
+        self._activate(shape_plan)
+        return shape_plan
+
+    def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._planning or not torch.is_grad_enabled():
+            return
+        self.plan_for(args, kwargs)
+
+    def finish_measurement(self) -> ShapePlan | None:
+        """Stop a running meter (call after the backward); returns the plan it measured."""
+        if self._meter is None or self.current is None:
+            return None
+        self._meter.close()
+        assert self._meter_result is not None
+        self.current.measured_peak_bytes = self._meter_result.peak_bytes
+        self._meter = self._meter_result = None
+        return self.current
+
+    def _solve(self, signature: Signature, args: tuple, kwargs: dict) -> ShapePlan:
+        self._planning = True
+        active = dict(self._active)
+        self._active.clear()  # profile the plain module, not a previous plan
+        try:
+            start = time.perf_counter()
+            trace = record_trace(self.module, args, kwargs)
+            profile_seconds = time.perf_counter() - start
+        finally:
+            self._active.update(active)
+            self._planning = False
+        simulator = Simulator(trace)
+        solver = Solver(simulator)
+        naive = solver.naive()
+        device = _device_of(self.module, args, kwargs)
+        budget_bytes = self.budget.resolve(naive.peak_bytes, device)
+        plannable = [n for n in trace.nodes[1:] if n.has_events]
+        if not plannable:
+            warnings.warn(
+                f"lightning_tbp: nothing to plan in {type(self.module).__name__}: it has no submodule "
+                "with children of its own that runs once per forward (leaf layers such as a single "
+                "Linear are not checkpointed, since that saves nothing); training runs unchanged",
+                NothingToPlanWarning,
+                stacklevel=4,
+            )
+            options = [Option.KEEP] * len(trace.nodes)
+            planned, solve_seconds = naive, 0.0
+        else:
+            solution = solver.solve(budget_bytes)
+            options, planned, solve_seconds = solution.options, solution.result, solution.solve_seconds
+        shape_plan = ShapePlan(
+            signature=signature,
+            options={trace.nodes[i].path: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
+            budget_bytes=budget_bytes,
+            naive=naive,
+            planned=planned,
+            forward_flops=sum(trace.event_flops),
+            parameter_grad_bytes=trace.parameter_grad_bytes,
+            blocks=_block_table(trace, simulator, options, planned),
+            profile_seconds=profile_seconds,
+            solve_seconds=solve_seconds,
+        )
+        return shape_plan
+
+    def _activate(self, shape_plan: ShapePlan) -> None:
+        if self.current is shape_plan:
+            return
+        self._wrappers.ensure(shape_plan.options)
+        self._active.clear()
+        self._active.update(shape_plan.options)
+        self.current = shape_plan
+
+    # -- lifecycle and reports --------------------------------------------------------------------
+    def remove(self) -> None:
+        """Restore the module exactly: no wrapper, no hook."""
+        if self._meter is not None:
+            self._meter.close()
+            self._meter = self._meter_result = None
+        self._hook.remove()
+        self._wrappers.remove()
+        self._active.clear()
+
+    def _require(self, shape_plan: ShapePlan | None) -> ShapePlan:
+        shape_plan = shape_plan or self.current
+        if shape_plan is None:
+            raise RuntimeError("no plan yet: call the module (or rematerialize with example inputs) first")
+        return shape_plan
+
+    def report(self, shape_plan: ShapePlan | None = None) -> str:
+        """A readable table: per block the decision, nesting level, bytes and cost."""
+        sp = self._require(shape_plan)
+        header = f"{'block':<44} {'decision':<10} {'level':>5} {'kept':>11} {'naive kept':>11} {'GFLOP':>8} {'recomp':>6}"
+        lines = [header, "-" * len(header)]
+        for b in sp.blocks:
+            lines.append(
+                f"{b.path:<44} {b.option.name.lower():<10} {b.level:>5} {format_bytes(b.kept_bytes):>11} "
+                f"{format_bytes(b.naive_kept_bytes):>11} {b.forward_flops / 1e9:>8.3f} {b.recomputations:>6}"
+            )
+        lines += [
+            "-" * len(header),
+            f"budget {format_bytes(sp.budget_bytes)} ({self.budget.describe()}); "
+            f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
+            f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
+            f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included)",
+            *(
+                [
+                    f"measured peak {format_bytes(sp.measured_peak_bytes)} = "
+                    f"{sp.measured_peak_bytes / sp.predicted_peak_bytes:.3f} of predicted"
+                ]
+                if sp.measured_peak_bytes is not None
+                else []
+            ),
+            f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a "
+            f"training step (est.); profiled in {sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self, shape_plan: ShapePlan | None = None) -> dict[str, Any]:
+        """JSON-able summary of one signature's plan."""
+        sp = self._require(shape_plan)
+        return {
+            "module": type(self.module).__name__,
+            "signature": [list(t[0]) + [str(t[1]), t[2]] for t in sp.signature[1]],
+            "budget": {"spec": self.budget.describe(), "bytes": sp.budget_bytes},
+            "naive_peak_bytes": sp.naive.peak_bytes,
+            "predicted_peak_bytes": sp.predicted_peak_bytes,
+            "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
+            "measured_peak_bytes": sp.measured_peak_bytes,
+            "parameter_grad_bytes": sp.parameter_grad_bytes,
+            "forward_flops": sp.forward_flops,
+            "predicted_recompute_flops": sp.planned.recompute_flops,
+            "predicted_recompute_cost": sp.planned.recompute_cost,
+            "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
+            "profile_seconds": sp.profile_seconds,
+            "solve_seconds": sp.solve_seconds,
+            "blocks": [
+                {
+                    "path": b.path,
+                    "decision": b.option.name.lower(),
+                    "level": b.level,
+                    "kept_bytes": b.kept_bytes,
+                    "naive_kept_bytes": b.naive_kept_bytes,
+                    "forward_flops": b.forward_flops,
+                    "recomputations": b.recomputations,
+                }
+                for b in sp.blocks
+            ],
+        }
+
+    def to_json(self, shape_plan: ShapePlan | None = None) -> str:
+        return json.dumps(self.to_dict(shape_plan), indent=2)
+
+    def __repr__(self) -> str:
+        return f"Plan({type(self.module).__name__}, budget={self.budget.describe()}, shapes={len(self.shape_plans)})"
+
+
+def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
+    for leaf in tree_flatten((args, kwargs))[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int]:
+    """Bytes held at the end of the forward, each storage charged to its first holder's block."""
+    trace = simulator.trace
+    snapshot = simulator.run(options, capture_step=trace.num_events - 1).snapshot
+    assert snapshot is not None
+    kept: dict[int, int] = {}
+    charged: set[int] = set()
+    holds = [(trace.event_node[e], sids) for e, sids in snapshot.event_holds.items()]
+    holds += list(snapshot.node_holds.items())
+    for node, sids in holds:
+        for sid in sids:
+            if sid not in charged:
+                charged.add(sid)
+                kept[node] = kept.get(node, 0) + snapshot.sizes.get(sid, 0)
+    return kept
+
+
+def _block_table(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> list[BlockDecision]:
+    kept = _kept_by_block(simulator, options)
+    naive_kept = _kept_by_block(simulator, [Option.KEEP] * len(options))
+    blocks = []
+    for node in trace.nodes[1:]:
+        if not node.has_events:
+            continue
+        level, walk = 0, node.index
+        while walk > 0:
+            level += options[walk] != Option.KEEP
+            walk = trace.nodes[walk].parent
+        subtree = [n.index for n in trace.nodes if n.first_event >= node.first_event and n.last_event <= node.last_event]
+        blocks.append(
+            BlockDecision(
+                path=node.path,
+                option=options[node.index],
+                level=level,
+                kept_bytes=sum(kept.get(i, 0) for i in subtree),
+                naive_kept_bytes=sum(naive_kept.get(i, 0) for i in subtree),
+                forward_flops=sum(trace.event_flops[node.first_event : node.last_event + 1]),
+                recomputations=planned.recompute_counts.get(node.index, 0),
+            )
+        )
+    return blocks
+
+
+def rematerialize(module: nn.Module, *example_args: Any, memory_budget: object = "auto", **example_kwargs: Any) -> Plan:
+    """Install a rematerialization plan on ``module`` in place and return it.
+
+    ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is
+    made now, and a call with other shapes later gets its own plan (cached per signature).
+    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`. Raises
+    :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits.
+    """
+    plan = Plan(module, memory_budget)
+    try:
+        with torch.enable_grad():
+            plan.plan_for(example_args, example_kwargs)
+    except BaseException:
+        plan.remove()
+        raise
+    return plan

@@ -1,0 +1,269 @@
+"""Choose a per-block option (keep / selective / full, nested) minimising recomputation under a budget.
+
+The peak of a training step is a maximum over time of sums of live tensors, so the problem is not
+a knapsack: freeing bytes that are not live at the peak buys nothing. The solver therefore works
+from the replay itself:
+
+1. Replay the current plan, take the instant of the peak and list who holds each live storage.
+2. For every legal move (keep->selective, keep->full, selective->full) estimate the bytes it frees
+   *at that instant* and its extra recomputation cost; rank by bytes per cost.
+3. Replay the best few candidates exactly and apply the one with the best real peak reduction per
+   cost. Repeat until the peak fits the budget.
+4. Prune: undo or soften moves (most expensive first) that the final plan does not need.
+
+Full checkpoints may nest (a stage checkpointed around checkpointed blocks: "height-compressed"
+plans, whose held memory grows with the depth of the module tree, not its length); selective
+checkpointing is only placed where no ancestor is checkpointed, because torch keeps a selective
+region's cache alive for the whole outer region.
+
+If no plan fits, :class:`InfeasibleBudgetError` names the smallest peak the search reached.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
+
+_EXACT_CANDIDATES = 4
+_MAX_STALLED_MOVES = 3
+#: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
+#: allocator peaks within a few percent, and the budget is a promise about the measured peak.
+PLANNING_MARGIN = 0.05
+
+
+class InfeasibleBudgetError(ValueError):
+    """The memory budget is below the smallest peak any plan reaches."""
+
+    def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int) -> None:
+        from lightning_tbp.remat.budget import format_bytes
+
+        minimum = math.ceil(minimum_peak_bytes / (1 - PLANNING_MARGIN))
+        self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
+        super().__init__(
+            f"memory budget {format_bytes(budget_bytes)} is below the minimum feasible budget "
+            f"{format_bytes(minimum)} ({minimum / naive_bytes:.3f} of the naive peak "
+            f"{format_bytes(naive_bytes)}; the lowest plan peaks at {format_bytes(minimum_peak_bytes)}, "
+            f"plus a {PLANNING_MARGIN:.0%} margin); pass memory_budget >= {minimum} (bytes) "
+            f"or >= {math.ceil(minimum / naive_bytes * 1000) / 1000:.3f} (fraction)"
+        )
+
+
+@dataclass
+class Solution:
+    options: list[Option]
+    result: SimResult
+    naive: SimResult
+    minimum_peak_bytes: int | None
+    solve_seconds: float
+    replays: int
+
+
+class Solver:
+    """Greedy, replay-guided search over nested checkpoint plans for one trace."""
+
+    def __init__(self, simulator: Simulator) -> None:
+        self.sim = simulator
+        trace = simulator.trace
+        self.nodes = trace.nodes
+        n = len(self.nodes)
+        self.subtree_cost = [0.0] * n
+        self.cheap_cost = [0.0] * n
+        self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
+        for node in self.nodes:
+            if not node.has_events:
+                continue
+            events = range(node.first_event, node.last_event + 1)
+            self.subtree_cost[node.index] = sum(trace.event_cost[e] for e in events)
+            self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_heavy[e])
+            self.heavy_outputs[node.index] = [s for e in events if trace.event_heavy[e] for s in trace.event_outputs[e]]
+        self.ancestors: list[list[int]] = []
+        for node in self.nodes:
+            chain, parent = [], node.parent
+            while parent > 0:
+                chain.append(parent)
+                parent = self.nodes[parent].parent
+            self.ancestors.append(chain)
+        # nodes are recorded in call (pre-)order, so a subtree is a contiguous index range
+        self.subtree_end = list(range(1, n + 1))
+        for node in reversed(self.nodes):
+            if node.parent >= 0:
+                self.subtree_end[node.parent] = max(self.subtree_end[node.parent], self.subtree_end[node.index])
+        self.replays = 0
+
+    # -- public -----------------------------------------------------------------------------------
+    def naive(self) -> SimResult:
+        return self.replay([Option.KEEP] * len(self.nodes))
+
+    def solve(self, budget_bytes: int) -> Solution:
+        """Cheapest plan found whose predicted peak is within the budget less the margin."""
+        return self._solve(int(budget_bytes * (1 - PLANNING_MARGIN)), budget_bytes)
+
+    def _solve(self, target_bytes: int, budget_bytes: int) -> Solution:
+        start = time.perf_counter()
+        naive = self.naive()
+        options = [Option.KEEP] * len(self.nodes)
+        result = naive
+        best_peak, best = result.peak_bytes, (list(options), result)
+        stalled = 0
+        while result.peak_bytes > target_bytes:
+            move = self.best_move(options, result)
+            if move is None:
+                break
+            options, new_result = move
+            stalled = stalled + 1 if new_result.peak_bytes >= best_peak else 0
+            result = new_result
+            if result.peak_bytes < best_peak:
+                best_peak, best = result.peak_bytes, (list(options), result)
+            if stalled >= _MAX_STALLED_MOVES:
+                break
+        if result.peak_bytes > target_bytes:
+            raise InfeasibleBudgetError(budget_bytes, best_peak, naive.peak_bytes)
+        options, result = self.prune(options, result, target_bytes)
+        return Solution(options, result, naive, None, time.perf_counter() - start, self.replays)
+
+    def minimum(self) -> Solution:
+        """The lowest-peak plan the search finds, ignoring the margin."""
+        try:
+            return self._solve(0, 0)
+        except InfeasibleBudgetError as error:
+            return self.solve(error.minimum_budget_bytes)
+
+    # -- search ---------------------------------------------------------------------------------
+    def replay(self, options: list[Option], capture_step: int = -1) -> SimResult:
+        self.replays += 1
+        return self.sim.run(options, capture_step)
+
+    def legal_moves(self, options: list[Option]) -> list[tuple[int, Option]]:
+        moves = []
+        for node in self.nodes[1:]:
+            i = node.index
+            if not node.has_events:
+                continue
+            checkpointed_above = any(options[a] != Option.KEEP for a in self.ancestors[i])
+            if options[i] == Option.KEEP:
+                moves.append((i, Option.FULL))
+                if not checkpointed_above and not self.subtree_planned(i, options):
+                    moves.append((i, Option.SELECTIVE))
+            elif options[i] == Option.SELECTIVE:
+                moves.append((i, Option.FULL))
+        return moves
+
+    def subtree_planned(self, index: int, options: list[Option]) -> bool:
+        return any(options[j] != Option.KEEP for j in range(index + 1, self.subtree_end[index]))
+
+    def apply(self, options: list[Option], index: int, option: Option) -> list[Option]:
+        new = list(options)
+        new[index] = option
+        if option == Option.FULL:  # selective below a checkpoint would keep its cache alive
+            for j in range(index + 1, self.subtree_end[index]):
+                if new[j] == Option.SELECTIVE:
+                    new[j] = Option.KEEP
+        return new
+
+    def best_move(self, options: list[Option], result: SimResult) -> tuple[list[Option], SimResult] | None:
+        snapshot = self.replay(options, capture_step=result.peak_step).snapshot
+        assert snapshot is not None
+        freed_full, lca = self._releasable_bytes(snapshot)
+        scored = []
+        for index, option in self.legal_moves(options):
+            freed = freed_full[index] - self._kept_inputs(index, snapshot, lca)
+            if option == Option.SELECTIVE:
+                freed -= self._cache_bytes(index, snapshot, lca)
+            if freed <= 0:
+                continue
+            extra = self.subtree_cost[index] if option == Option.FULL else self.cheap_cost[index]
+            if option == Option.FULL and options[index] == Option.SELECTIVE:
+                extra -= self.cheap_cost[index]
+            scored.append((freed / max(extra, 1.0), index, option))
+        scored.sort(reverse=True)
+        best = None
+        for _, index, option in scored[:_EXACT_CANDIDATES]:
+            candidate = self.apply(options, index, option)
+            trial = self.replay(candidate)
+            gain = result.peak_bytes - trial.peak_bytes
+            extra = max(trial.recompute_cost - result.recompute_cost, 1.0)
+            key = (gain > 0, gain / extra)
+            if best is None or key > best[0]:
+                best = (key, candidate, trial)
+        return None if best is None else (best[1], best[2])
+
+    def _releasable_bytes(self, snapshot: Snapshot) -> tuple[list[int], dict[int, int]]:
+        """Per block, bytes live at the snapshot that only that block's subtree holds.
+
+        A storage is released by checkpointing any block that encloses all of its holders, i.e.
+        any ancestor of the holders' lowest common block; its bytes are credited along that chain.
+        """
+        trace = self.sim.trace
+        holder_nodes: dict[int, list[int]] = {}
+        for event, sids in snapshot.event_holds.items():
+            for sid in sids:
+                holder_nodes.setdefault(sid, []).append(trace.event_node[event])
+        for node, sids in snapshot.node_holds.items():
+            for sid in sids:
+                holder_nodes.setdefault(sid, []).append(node)
+        freed = [0] * len(self.nodes)
+        lca: dict[int, int] = {}
+        for sid, nodes in holder_nodes.items():
+            if sid in snapshot.python_refs:
+                continue
+            common = nodes[0]
+            for other in nodes[1:]:
+                common = self._common_ancestor(common, other)
+            lca[sid] = common
+            size = snapshot.sizes.get(sid, 0)
+            walk = common
+            while walk > 0:
+                freed[walk] += size
+                walk = self.nodes[walk].parent
+        return freed, lca
+
+    def _common_ancestor(self, a: int, b: int) -> int:
+        while not (a <= b < self.subtree_end[a]):
+            a = self.nodes[a].parent
+        return a
+
+    def _within(self, index: int, lca: dict[int, int], sid: int) -> bool:
+        node = lca.get(sid, -1)
+        return index <= node < self.subtree_end[index]
+
+    def _kept_inputs(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
+        """Inputs a checkpoint of ``index`` keeps although they were credited as released."""
+        return sum(snapshot.sizes.get(s, 0) for s in set(self.nodes[index].inputs) if self._within(index, lca, s))
+
+    def _cache_bytes(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
+        """Heavy-op outputs a selective checkpoint of ``index`` keeps (whether live now or not)."""
+        total = 0
+        for sid in self.heavy_outputs[index]:
+            if sid not in snapshot.sizes:
+                total += self.sim.trace.storage_bytes[sid]
+            elif self._within(index, lca, sid):
+                total += snapshot.sizes[sid]
+        return total
+
+    def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
+        """Undo or soften moves the plan does not need, most expensive first."""
+        improved = True
+        while improved:
+            improved = False
+            planned = sorted(
+                (i for i, o in enumerate(options) if o != Option.KEEP),
+                key=lambda i: self.subtree_cost[i],
+                reverse=True,
+            )
+            for index in planned:
+                softer = [Option.KEEP]
+                if options[index] == Option.FULL and not any(options[a] != Option.KEEP for a in self.ancestors[index]):
+                    softer.append(Option.SELECTIVE)
+                for option in softer:
+                    candidate = list(options)
+                    candidate[index] = option
+                    if option == Option.SELECTIVE and self.subtree_planned(index, candidate):
+                        continue
+                    trial = self.replay(candidate)
+                    if trial.peak_bytes <= budget_bytes and trial.recompute_cost < result.recompute_cost:
+                        options, result, improved = candidate, trial, True
+                        break
+        return options, result

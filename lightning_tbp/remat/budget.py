@@ -27,8 +27,15 @@ ACCEPTED_FORMS = (
     "a string such as '6GiB', '512MiB' or '1.5GB', or 'auto'"
 )
 _UNITS = {
-    "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
 

@@ -199,7 +199,9 @@ class Plan:
     def report(self, shape_plan: ShapePlan | None = None) -> str:
         """A readable table: per block the decision, nesting level, bytes and cost."""
         sp = self._require(shape_plan)
-        header = f"{'block':<44} {'decision':<10} {'level':>5} {'kept':>11} {'naive kept':>11} {'GFLOP':>8} {'recomp':>6}"
+        header = (
+            f"{'block':<44} {'decision':<10} {'level':>5} {'kept':>11} {'naive kept':>11} {'GFLOP':>8} {'recomp':>6}"
+        )
         lines = [header, "-" * len(header)]
         for b in sp.blocks:
             lines.append(
@@ -230,7 +232,7 @@ class Plan:
         sp = self._require(shape_plan)
         return {
             "module": type(self.module).__name__,
-            "signature": [list(t[0]) + [str(t[1]), t[2]] for t in sp.signature[1]],
+            "signature": [[*t[0], str(t[1]), t[2]] for t in sp.signature[1]],
             "budget": {"spec": self.budget.describe(), "bytes": sp.budget_bytes},
             "naive_peak_bytes": sp.naive.peak_bytes,
             "predicted_peak_bytes": sp.predicted_peak_bytes,
@@ -299,7 +301,8 @@ def _block_table(trace: Trace, simulator: Simulator, options: list[Option], plan
         while walk > 0:
             level += options[walk] != Option.KEEP
             walk = trace.nodes[walk].parent
-        subtree = [n.index for n in trace.nodes if n.first_event >= node.first_event and n.last_event <= node.last_event]
+        lo, hi = node.first_event, node.last_event
+        subtree = [n.index for n in trace.nodes if lo <= n.first_event and n.last_event <= hi]
         blocks.append(
             BlockDecision(
                 path=node.path,

@@ -171,9 +171,7 @@ class _Replay:
             self.snapshot = Snapshot(
                 region=self.region,
                 event_holds={k: list(v) for k, v in self.event_holds.items()},
-                node_holds={
-                    k: list(v) + self.node_cache.get(k, []) for k, v in self.node_inputs.items()
-                },
+                node_holds={k: list(v) + self.node_cache.get(k, []) for k, v in self.node_inputs.items()},
                 python_refs=set(self.python_refs),
                 sizes={sid: self.size(sid) for sid in self.alive},
             )

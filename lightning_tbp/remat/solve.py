@@ -106,7 +106,7 @@ class Solver:
         naive = self.naive()
         options = [Option.KEEP] * len(self.nodes)
         result = naive
-        best_peak, best = result.peak_bytes, (list(options), result)
+        best_peak = result.peak_bytes
         stalled = 0
         while result.peak_bytes > target_bytes:
             move = self.best_move(options, result)
@@ -116,7 +116,7 @@ class Solver:
             stalled = stalled + 1 if new_result.peak_bytes >= best_peak else 0
             result = new_result
             if result.peak_bytes < best_peak:
-                best_peak, best = result.peak_bytes, (list(options), result)
+                best_peak = result.peak_bytes
             if stalled >= _MAX_STALLED_MOVES:
                 break
         if result.peak_bytes > target_bytes:
@@ -231,7 +231,8 @@ class Solver:
 
     def _kept_inputs(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
         """Inputs a checkpoint of ``index`` keeps although they were credited as released."""
-        return sum(snapshot.sizes.get(s, 0) for s in set(self.nodes[index].inputs) if self._within(index, lca, s))
+        inputs = set(self.nodes[index].inputs)
+        return sum(snapshot.sizes.get(s, 0) for s in inputs if self._within(index, lca, s))
 
     def _cache_bytes(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
         """Heavy-op outputs a selective checkpoint of ``index`` keeps (whether live now or not)."""
@@ -255,7 +256,8 @@ class Solver:
             )
             for index in planned:
                 softer = [Option.KEEP]
-                if options[index] == Option.FULL and not any(options[a] != Option.KEEP for a in self.ancestors[index]):
+                outermost = not any(options[a] != Option.KEEP for a in self.ancestors[index])
+                if options[index] == Option.FULL and outermost:
                     softer.append(Option.SELECTIVE)
                 for option in softer:
                     candidate = list(options)

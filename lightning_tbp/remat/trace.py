@@ -280,9 +280,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
         ):
             output = module(*args, **kwargs)
             recorder.finish()
-            trace.module_outputs = tuple(
-                s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None
-            )
+            trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
             del output
     finally:
         for handle in handles:
@@ -317,7 +315,7 @@ def _drop_repeated(trace: Trace, repeated: set[str]) -> None:
 
     trace.event_node = [surviving(n) for n in trace.event_node]
     parents = [surviving(n.parent) if n.parent >= 0 else -1 for n in keep]
-    for node, parent in zip(keep, parents):
+    for node, parent in zip(keep, parents, strict=True):
         node.children = [remap[c] for c in node.children if c in remap]
         node.index, node.parent = remap[node.index], parent
     trace.nodes = keep

@@ -105,6 +105,8 @@ class Solver:
         start = time.perf_counter()
         naive = self.naive()
         options = [Option.KEEP] * len(self.nodes)
+        if naive.peak_bytes <= budget_bytes:  # the budget allows the unplanned step
+            return Solution(options, naive, naive, None, time.perf_counter() - start, self.replays)
         result = naive
         best_peak = result.peak_bytes
         stalled = 0

@@ -282,12 +282,14 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
             recorder.finish()
             trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
             del output
+        with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
+            workspaces = recorder.calibrator.measure()
     finally:
         for handle in handles:
             handle.remove()
 
     trace.event_workspace = [0] * trace.num_events
-    for event, workspace in recorder.calibrator.measure().items():
+    for event, workspace in workspaces.items():
         trace.event_workspace[event] = workspace
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:

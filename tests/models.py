@@ -1,0 +1,144 @@
+"""Tiny models the tests plan, each built from a config (no weights are downloaded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
+from torch import nn
+
+
+class ResidualMLPBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.act = nn.GELU()
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(self.norm(x))))
+
+
+def mlp_chain(depth: int = 12, width: int = 64) -> nn.Module:
+    return nn.Sequential(*(ResidualMLPBlock(width) for _ in range(depth)), nn.Linear(width, width))
+
+
+def tiny_unet() -> UNet2DModel:
+    return UNet2DModel(
+        sample_size=32,
+        block_out_channels=(32, 64, 64),
+        layers_per_block=1,
+        norm_num_groups=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=8,
+    )
+
+
+def tiny_cond_unet() -> UNet2DConditionModel:
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=1,
+        block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=8,
+        attention_head_dim=8,
+    )
+
+
+def tiny_dit(dropout: float = 0.1) -> DiTTransformer2DModel:
+    return DiTTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        num_layers=3,
+        dropout=dropout,
+        patch_size=2,
+        sample_size=8,
+        num_embeds_ada_norm=10,
+    )
+
+
+@dataclass
+class Case:
+    """A model and one call of it: ``call(model)`` returns the output tensor."""
+
+    name: str
+    build: Callable[[], nn.Module]
+    args: Callable[[], tuple]
+    kwargs: Callable[[], dict]
+    output: Callable[[object], torch.Tensor]
+
+
+def _sample(out: object) -> torch.Tensor:
+    return out.sample if hasattr(out, "sample") else out  # diffusers returns *Output dataclasses
+
+
+CASES = [
+    Case("mlp_chain", mlp_chain, lambda: (torch.randn(512, 64),), dict, _sample),
+    Case(
+        "unet2d_attention",
+        tiny_unet,
+        lambda: (torch.randn(2, 3, 32, 32), torch.tensor([3, 700])),
+        dict,
+        _sample,
+    ),
+    Case(
+        "unet2d_condition_cross_attention",
+        tiny_cond_unet,
+        lambda: (torch.randn(2, 4, 16, 16), torch.tensor([10, 500])),
+        lambda: {"encoder_hidden_states": torch.randn(2, 7, 32)},
+        _sample,
+    ),
+    Case(
+        "dit_dropout",
+        tiny_dit,
+        lambda: (torch.randn(2, 4, 8, 8),),
+        lambda: {"timestep": torch.tensor([1, 900]), "class_labels": torch.tensor([0, 7])},
+        _sample,
+    ),
+]
+
+
+def make_case(case: Case, seed: int = 0) -> tuple[nn.Module, tuple, dict]:
+    torch.manual_seed(seed)
+    model = case.build()
+    return model, case.args(), case.kwargs()
+
+
+def training_step(model: nn.Module, case: Case, args: tuple, kwargs: dict, seed: int = 1234):
+    """One forward + backward from a fixed RNG state; returns the loss and every gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = case.output(model(*args, **kwargs))
+    loss = out.float().pow(2).mean()
+    loss.backward()
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def max_relative_difference(grads: dict, reference: dict) -> float:
+    assert grads.keys() == reference.keys()
+    worst = 0.0
+    for name, ref in reference.items():
+        scale = ref.abs().max().clamp_min(torch.finfo(ref.dtype).tiny)
+        worst = max(worst, ((grads[name] - ref).abs().max() / scale).item())
+    return worst
+
+
+def feasible_range(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
+    """(minimum feasible budget, naive peak) in bytes, as the planner's infeasibility error names them."""
+    from lightning_tbp import InfeasibleBudgetError, rematerialize
+
+    try:
+        rematerialize(model, *args, memory_budget=1, **kwargs)
+    except InfeasibleBudgetError as error:
+        return error.minimum_budget_bytes, error.naive_bytes
+    raise AssertionError("a 1-byte budget cannot be feasible")

@@ -1,0 +1,150 @@
+"""The framework-free entry point: install, report, re-plan per shape, remove."""
+
+import json
+import warnings
+
+import pytest
+import torch
+from models import CASES, make_case, mlp_chain, training_step
+from torch import nn
+
+from lightning_tbp import InfeasibleBudgetError, NothingToPlanWarning, rematerialize
+from lightning_tbp.remat import Option
+
+UNET = next(c for c in CASES if c.name == "unet2d_attention")
+
+
+def test_remove_restores_the_module_exactly() -> None:
+    model, args, kwargs = make_case(UNET)
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_attrs = {name: set(m.__dict__) for name, m in model.named_modules()}
+    before_hooks = {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in model.named_modules()}
+    ref_loss, ref_grads = training_step(model, UNET, args, kwargs)
+
+    plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
+    wrapped = [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    assert wrapped and set(wrapped) == set(plan.current.options)
+    plan.remove()
+
+    assert {name: set(m.__dict__) for name, m in model.named_modules()} == before_attrs
+    assert {name: len(m._forward_pre_hooks) + len(m._forward_hooks) for name, m in model.named_modules()} == (
+        before_hooks
+    )
+    assert all(torch.equal(v, before_state[k]) for k, v in model.state_dict().items())
+    loss, grads = training_step(model, UNET, args, kwargs)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_report_and_json_summary() -> None:
+    model, args, kwargs = make_case(UNET)
+    plan = rematerialize(model, *args, memory_budget="auto", **kwargs)
+    report = plan.report()
+    for block in plan.current.blocks:
+        assert block.path in report
+    assert "predicted peak" in report and "recompute" in report
+    summary = json.loads(plan.to_json())
+    assert summary["predicted_peak_bytes"] <= summary["budget"]["bytes"]
+    assert summary["budget"]["bytes"] == int(0.5 * summary["naive_peak_bytes"])  # "auto" on CPU
+    assert summary["predicted_recompute_flops"] > 0
+    decisions = {b["decision"] for b in summary["blocks"]}
+    assert decisions <= {"keep", "full", "selective"} and decisions != {"keep"}
+    assert all(b["kept_bytes"] <= b["naive_kept_bytes"] + 1 for b in summary["blocks"] if b["decision"] != "keep")
+    plan.remove()
+
+
+def test_new_input_shape_gets_its_own_plan_and_stays_exact() -> None:
+    model, args, kwargs = make_case(UNET)
+    plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
+    first = plan.current
+    bigger = (torch.randn(4, 3, 32, 32), torch.tensor([1, 2, 3, 4]))
+    loss, grads = training_step(model, UNET, bigger, kwargs)
+    assert len(plan.shape_plans) == 2 and plan.current is not first
+    assert plan.current.naive.peak_bytes > first.naive.peak_bytes
+    training_step(model, UNET, args, kwargs)
+    assert plan.current is first, "the cached plan of the first shape is reused"
+    plan.remove()
+    ref_loss, ref_grads = training_step(model, UNET, bigger, kwargs)
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_no_planning_under_no_grad() -> None:
+    model, args, kwargs = make_case(UNET)
+    plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
+    with torch.no_grad():
+        model(torch.randn(1, 3, 32, 32), torch.tensor([5]))
+    assert len(plan.shape_plans) == 1
+    plan.remove()
+
+
+def test_infeasible_budget_names_the_minimum() -> None:
+    model, args, kwargs = make_case(UNET)
+    with pytest.raises(InfeasibleBudgetError, match="minimum feasible budget") as info:
+        rematerialize(model, *args, memory_budget="1KiB", **kwargs)
+    error = info.value
+    assert error.minimum_budget_bytes > 1024
+    assert f">= {error.minimum_budget_bytes}" in str(error)
+    assert not any("forward" in m.__dict__ for m in model.modules()), "a failed plan leaves nothing behind"
+    assert not model._forward_pre_hooks
+    plan = rematerialize(model, *args, memory_budget=error.minimum_budget_bytes, **kwargs)
+    assert plan.current.predicted_peak_bytes <= error.minimum_budget_bytes
+    plan.remove()
+
+
+def test_malformed_budget_is_a_value_error() -> None:
+    model, args, kwargs = make_case(UNET)
+    with pytest.raises(ValueError, match="accepted|use a float"):
+        rematerialize(model, *args, memory_budget="lots", **kwargs)
+
+
+def test_nothing_to_plan_warns_and_runs_unchanged() -> None:
+    model = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    with pytest.warns(NothingToPlanWarning, match="nothing to plan"):
+        plan = rematerialize(model, x, memory_budget=0.5)
+    assert plan.current.options == {}
+    model(x).sum().backward()
+    assert model.weight.grad is not None
+    plan.remove()
+
+
+def test_budget_above_naive_plans_nothing() -> None:
+    model = mlp_chain(depth=4)
+    x = torch.randn(256, 64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = rematerialize(model, x, memory_budget=1.0)
+    assert plan.current.options == {} and plan.current.predicted_peak_bytes == plan.current.naive.peak_bytes
+    plan.remove()
+
+
+def test_modules_called_twice_are_not_wrapped() -> None:
+    """A block reused in one forward is left to its parent: one wrapper cannot plan two calls."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = mlp_chain(depth=2)
+            self.other = mlp_chain(depth=2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.other(self.shared(self.shared(x)))
+
+    model = Twice()
+    plan = rematerialize(model, torch.randn(256, 64), memory_budget=0.97)
+    assert plan.current.options, "the block called once is planned"
+    assert not any(path.startswith("shared") for path in plan.current.options)
+    assert all(o in (Option.FULL, Option.SELECTIVE) for o in plan.current.options.values())
+    plan.remove()
+
+
+def test_planning_does_not_shift_the_random_stream() -> None:
+    """Profiling and calibration fork the RNG, so a run's dropout and noise are unchanged."""
+    model, args, kwargs = make_case(UNET)
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
+    assert torch.equal(torch.rand(4), expected)
+    plan.remove()

@@ -1,0 +1,121 @@
+"""``Trainer(strategy="tiny_backprop")`` trains exactly like Lightning's default strategy, in less memory."""
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import StrategyRegistry
+from models import tiny_unet
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import lightning_tbp
+from lightning_tbp import NothingToPlanWarning, TinyBackpropStrategy
+
+
+class Denoiser(L.LightningModule):
+    def __init__(self, net: nn.Module | None = None) -> None:
+        super().__init__()
+        self.net = net if net is not None else tiny_unet()
+        self.head = nn.Identity()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = self.net(x, t)
+        return out.sample if hasattr(out, "sample") else out
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        t = torch.arange(x.shape[0]) * 97 % 1000
+        noise = torch.randn_like(x)
+        loss = (self(x + noise, t) - noise).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.values: list[torch.Tensor] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(outputs["loss"].detach().clone())
+
+
+def fit(strategy, data: torch.Tensor, net: nn.Module | None = None, **trainer_kwargs):
+    torch.manual_seed(0)
+    model = Denoiser(net)
+    losses = Losses()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        max_steps=trainer_kwargs.pop("max_steps", 4),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[losses],
+        **trainer_kwargs,
+    )
+    trainer.fit(model, DataLoader(TensorDataset(data), batch_size=2))
+    return trainer, model, torch.stack(losses.values)
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+
+def test_registered_on_import() -> None:
+    assert lightning_tbp.TinyBackpropStrategy.strategy_name in StrategyRegistry
+    assert isinstance(L.Trainer(strategy="tiny_backprop", logger=False).strategy, TinyBackpropStrategy)
+
+
+@pytest.mark.parametrize(
+    "trainer_kwargs",
+    [{}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05, "precision": "bf16-mixed"}],
+    ids=["fp32", "bf16_accumulate_clip"],
+)
+def test_fit_gives_the_same_losses_and_weights(data, trainer_kwargs) -> None:
+    _, plain_model, plain_losses = fit("auto", data, **dict(trainer_kwargs))
+    trainer, planned_model, planned_losses = fit(TinyBackpropStrategy(memory_budget=0.8), data, **trainer_kwargs)
+    plan = trainer.strategy.plan
+    assert plan is not None and plan.current is not None and plan.current.options
+    assert torch.equal(planned_losses, plain_losses)
+    for (name, p), q in zip(planned_model.named_parameters(), plain_model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert not any("forward" in m.__dict__ for m in planned_model.modules()), "teardown restores the model"
+
+
+def test_measured_peak_is_reported_next_to_the_prediction(data) -> None:
+    trainer, _, _ = fit("tiny_backprop", data, max_steps=3)
+    shape_plan = trainer.strategy.plan.current
+    assert shape_plan.measured_peak_bytes is not None
+    assert abs(shape_plan.measured_peak_bytes / shape_plan.predicted_peak_bytes - 1) <= 0.10
+    assert "measured peak" in trainer.strategy.plan.report()
+
+
+def test_refuses_several_devices() -> None:
+    with pytest.raises(ValueError, match="tiny_backprop_ddp"):
+        L.Trainer(strategy="tiny_backprop", accelerator="cpu", devices=2, logger=False)
+
+
+def test_bad_budget_fails_before_training() -> None:
+    with pytest.raises(ValueError, match="'6GiB'"):
+        TinyBackpropStrategy(memory_budget="half of it")
+
+
+def test_model_with_nothing_to_plan_trains_with_a_warning(data) -> None:
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x, t):
+            return self.conv(x)
+
+    with pytest.warns(NothingToPlanWarning):
+        _, _, losses = fit("tiny_backprop", data, net=Flat(), max_steps=2)
+    assert losses.shape == (2,)

@@ -73,8 +73,10 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"\nfinal loss {summary['final_loss']:.4f} after {args.max_steps} steps in {seconds:.0f}s; "
-          f"summary written to {args.out / 'summary.json'}")
+    print(
+        f"\nfinal loss {summary['final_loss']:.4f} after {args.max_steps} steps in {seconds:.0f}s; "
+        f"summary written to {args.out / 'summary.json'}"
+    )
 
 
 if __name__ == "__main__":

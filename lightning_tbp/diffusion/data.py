@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 def load_digits_images(image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """All digits as a float tensor [N, 1, S, S] in [-1, 1], and their labels [N]."""
     try:
-        from sklearn.datasets import load_digits  # noqa: PLC0415 - optional, heavy import
+        from sklearn.datasets import load_digits
     except ImportError as error:
         raise ImportError(
             "the bundled digits data set comes with scikit-learn: pip install scikit-learn "

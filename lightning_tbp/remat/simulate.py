@@ -13,8 +13,14 @@ The replay follows what torch does with non-reentrant ``torch.utils.checkpoint``
   cheap ops; the cache stays alive until the block's backward is over (measured with torch 2.13,
   CPU allocator events).
 * The gradient of a tensor appears when the backward of its last consumer runs and disappears
-  after the backward of its producer; parameter gradients stay.
-* A tensor's Python reference ends at its last use in the forward pass.
+  after the backward of its producer; parameter gradients stay. Other consumers' backwards add
+  a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat).
+  ``cat`` hands its inputs slice *views* of its output gradient, so a U-Net skip's gradient keeps
+  the whole concatenated gradient buffer alive until a second contribution replaces the view.
+* Heavy ops (conv, matmul, attention) allocate transient workspace in forward (so in every
+  recomputation) and backward; the trace measured it per op (``workspace.py``).
+* A tensor's Python reference ends where the profiling pass saw its last reference go, which is
+  later than its last use wherever a variable holds it (observed, not inferred).
 
 Memory is counted above the state before the forward (parameters and inputs are the baseline).
 """
@@ -25,6 +31,12 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from lightning_tbp.remat.trace import Trace
+
+#: Ops whose backward hands each input a slice *view* of the output gradient: an input's
+#: gradient then keeps the whole output-gradient buffer alive (U-Net skips after ``cat``).
+_SLICING_BACKWARD = ("cat.",)
+#: Ops whose backward passes the output gradient on without allocating a new tensor.
+_PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
 
 class Option(IntEnum):
@@ -70,24 +82,22 @@ class Simulator:
         self.parent = [node.parent for node in trace.nodes]
         self.first = [node.first_event for node in trace.nodes]
         self.last = [node.last_event for node in trace.nodes]
-        end = n_events + 1
-        last_use = [-1] * n_storages
         last_consumer = [-1] * n_storages
         for event, inputs in enumerate(trace.event_inputs):
             for sid in inputs:
-                last_use[sid] = event
                 last_consumer[sid] = event
-        for sid in trace.module_outputs:
-            last_use[sid] = end
-        for sid, producer in enumerate(trace.storage_producer):
-            if producer >= 0 and last_use[sid] < producer:
-                last_use[sid] = producer  # never read again: dies right after it is made
+        # Python references end where profiling saw them end (-1: alive after the forward)
         self.dies_at: list[list[int]] = [[] for _ in range(n_events)]
-        for sid, event in enumerate(last_use):
-            if 0 <= event < n_events and trace.storage_is_activation[sid]:
-                self.dies_at[event].append(sid)
+        for sid, event in enumerate(trace.storage_death):
+            if trace.storage_is_activation[sid] and sid not in trace.module_outputs and event >= 0:
+                self.dies_at[max(event, trace.storage_producer[sid])].append(sid)
         self.grads_created: list[list[int]] = [[] for _ in range(n_events)]
+        self.grads_accumulated: list[list[int]] = [[] for _ in range(n_events)]
         self.grads_freed: list[list[int]] = [[] for _ in range(n_events)]
+        for event, inputs in enumerate(trace.event_inputs):
+            for sid in inputs:
+                if trace.storage_needs_grad[sid] and last_consumer[sid] != event:
+                    self.grads_accumulated[event].append(sid)
         for sid in range(n_storages):
             if not trace.storage_needs_grad[sid]:
                 continue
@@ -96,6 +106,8 @@ class Simulator:
             producer = trace.storage_producer[sid]
             if producer >= 0:
                 self.grads_freed[producer].append(sid)
+        self.slices_grad = [op.startswith(_SLICING_BACKWARD) for op in trace.event_op]
+        self.passes_grad = [op.startswith(_PASS_THROUGH_BACKWARD) for op in trace.event_op]
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
 
@@ -128,6 +140,9 @@ class _Replay:
         self.python_refs: set[int] = set()
         self.alive: set[int] = set()
         self.grads: set[int] = set()
+        self.grad_view_of: dict[int, int] = {}  # grad of sid is a view into grad of value
+        self.grad_views: dict[int, int] = {}  # number of views into a grad buffer
+        self.grad_orphans: set[int] = set()  # freed grads whose buffer views keep alive
         self.event_holds: dict[int, list[int]] = {}
         self.node_inputs: dict[int, list[int]] = {}
         self.node_cache: dict[int, list[int]] = {}
@@ -232,7 +247,10 @@ class _Replay:
             if recompute and not cached:
                 self.recompute_cost += trace.event_cost[event]
                 self.recompute_flops += trace.event_flops[event]
+            workspace = 0 if cached else trace.event_forward_workspace[event]
+            self.mem += workspace
             self.tick()
+            self.mem -= workspace
             for sid in sim.dies_at[event]:
                 sid = mapped(sid)
                 self.python_refs.discard(sid)
@@ -255,6 +273,7 @@ class _Replay:
             outer_region, self.region = self.region, ctx
             self.forward(ctx, sim.first[ctx], self.early_stop_end(ctx), recompute=True)
             self.backward(ctx, sim.first[ctx], sim.last[ctx])
+            self.release(self.node_cache.pop(ctx, []))  # measured: the cache lives until here
             self.release(self.node_inputs.pop(ctx, []))
             self.region = outer_region
             event = sim.first[ctx] - 1
@@ -270,17 +289,43 @@ class _Replay:
         return end
 
     def backward_event(self, event: int) -> None:
-        sizes = self.sim.sizes
-        for sid in self.sim.grads_created[event]:
-            if sid not in self.grads:
-                self.grads.add(sid)
-                self.mem += sizes[sid]
-        workspace = self.trace.event_workspace[event]
-        self.mem += workspace
-        self.tick()
-        self.mem -= workspace
-        self.release(self.event_holds.pop(event, []))
-        for sid in self.sim.grads_freed[event]:
+        sim, sizes = self.sim, self.sim.sizes
+        slicing = sim.slices_grad[event] and len(self.trace.event_outputs[event]) == 1
+        transient = self.trace.event_workspace[event]
+        for sid in sim.grads_created[event]:
             if sid in self.grads:
-                self.grads.discard(sid)
+                continue
+            self.grads.add(sid)
+            if slicing:
+                out = self.trace.event_outputs[event][0]
+                self.grad_view_of[sid] = out
+                self.grad_views[out] = self.grad_views.get(out, 0) + 1
+            else:
+                self.mem += sizes[sid]
+        for sid in sim.grads_accumulated[event]:
+            if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
+                self.mem += sizes[sid]
+                self.drop_grad_view(sid)
+            elif not sim.passes_grad[event]:
+                transient += sizes[sid]
+        self.mem += transient
+        self.tick()
+        self.mem -= transient
+        self.release(self.event_holds.pop(event, []))
+        for sid in sim.grads_freed[event]:
+            if sid not in self.grads:
+                continue
+            self.grads.discard(sid)
+            if sid in self.grad_view_of:
+                self.drop_grad_view(sid)
+            elif self.grad_views.get(sid):
+                self.grad_orphans.add(sid)  # its slices still point into the buffer
+            else:
                 self.mem -= sizes[sid]
+
+    def drop_grad_view(self, sid: int) -> None:
+        base = self.grad_view_of.pop(sid)
+        self.grad_views[base] -= 1
+        if not self.grad_views[base] and base in self.grad_orphans:
+            self.grad_orphans.discard(base)
+            self.mem -= self.sim.sizes[base]

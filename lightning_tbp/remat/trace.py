@@ -17,6 +17,7 @@ The simulator replays this trace under any plan, so the trace is all the planner
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -61,6 +62,10 @@ class Trace:
     storage_needs_grad: list[bool] = field(default_factory=list)
     storage_is_activation: list[bool] = field(default_factory=list)  # False: parameter/buffer/input
     storage_producer: list[int] = field(default_factory=list)  # event index, -1 if made outside
+    # Index of the last event before the storage's last Python reference went away (observed,
+    # not inferred: the profiling forward saves nothing, so only Python keeps tensors alive);
+    # -1 while alive at the end of the forward.
+    storage_death: list[int] = field(default_factory=list)
     event_node: list[int] = field(default_factory=list)
     event_inputs: list[tuple[int, ...]] = field(default_factory=list)
     event_outputs: list[tuple[int, ...]] = field(default_factory=list)
@@ -69,6 +74,7 @@ class Trace:
     event_flops: list[int] = field(default_factory=list)
     event_cost: list[float] = field(default_factory=list)
     event_op: list[str] = field(default_factory=list)
+    event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
     event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
     nodes: list[Node] = field(default_factory=list)
     module_outputs: tuple[int, ...] = ()
@@ -111,9 +117,11 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.trace = trace
         self.calibrator = WorkspaceCalibrator()
+        self.recording = True
         self.node_stack = node_stack
         self.key_to_sid: dict[int, int] = {}
         self.pending_saves: list[int] = []
+        self.tensor_counts: dict[int, int] = {}
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
         """Storage id of ``tensor``, registering storages made outside the recorder."""
@@ -133,8 +141,19 @@ class _Recorder(TorchDispatchMode):
         trace.storage_needs_grad.append(False)
         trace.storage_is_activation.append(activation)
         trace.storage_producer.append(producer)
+        trace.storage_death.append(-1)
         self.key_to_sid[key] = sid
         return sid
+
+    def watch(self, tensor: torch.Tensor, sid: int) -> None:
+        """Note when the last tensor viewing storage ``sid`` is garbage collected."""
+        self.tensor_counts[sid] = self.tensor_counts.get(sid, 0) + 1
+        weakref.finalize(tensor, self._tensor_died, sid)
+
+    def _tensor_died(self, sid: int) -> None:
+        self.tensor_counts[sid] -= 1
+        if self.tensor_counts[sid] == 0 and self.recording:
+            self.trace.storage_death[sid] = self.trace.num_events - 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
@@ -152,8 +171,11 @@ class _Recorder(TorchDispatchMode):
                 continue
             sid = self.key_to_sid.get(key)
             if sid is not None and sid in input_set:
+                if trace.storage_is_activation[sid]:
+                    self.watch(tensor, sid)
                 continue  # a view or an in-place result: same storage as an input
             sid = self._new_storage(key, tensor, producer=event, activation=True)
+            self.watch(tensor, sid)
             trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
             outputs.append(sid)
             new_elements += tensor.numel()
@@ -281,6 +303,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
             output = module(*args, **kwargs)
             recorder.finish()
             trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
+            recorder.recording = False  # what dies now dies with the forward's result
             del output
         with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
             workspaces = recorder.calibrator.measure()
@@ -288,9 +311,11 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
         for handle in handles:
             handle.remove()
 
+    trace.event_forward_workspace = [0] * trace.num_events
     trace.event_workspace = [0] * trace.num_events
-    for event, workspace in workspaces.items():
-        trace.event_workspace[event] = workspace
+    for event, (forward, backward) in workspaces.items():
+        trace.event_forward_workspace[event] = forward
+        trace.event_workspace[event] = backward
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:
         _drop_repeated(trace, repeated)

@@ -1,11 +1,12 @@
-"""Backward workspace of heavy ops, measured rather than guessed.
+"""Forward and backward workspace of heavy ops, measured rather than guessed.
 
-Convolution and matmul backward kernels allocate temporaries beyond the gradients they return
-(layout conversions on CPU, cuDNN/cuBLAS workspaces on CUDA). They sit on top of whatever is live
-at that moment, so the simulator must know them. Each distinct (op, shapes, dtypes, arguments)
-is run once on its own through forward and backward under the exact allocator meter; the
-workspace is the backward peak minus the gradients it leaves behind. One op at a time keeps
-this memory-safe.
+Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
+layout reorders on CPU, cuDNN/cuBLAS workspaces on CUDA), in the forward (and so in every
+recomputation) and in the backward. They sit on top of whatever is live at that moment, so the
+simulator must know them. Each distinct (op, shapes, dtypes, arguments) is run once on its own
+under the exact allocator meter: the forward workspace is the forward peak minus the outputs,
+the backward workspace the backward peak minus the gradients it leaves behind. One op at a time
+keeps this memory-safe.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_tbp.memory.meters import measure_peak
+from lightning_tbp.memory.meters import allocator_peak, measure_peak
 
 
 @dataclass(frozen=True)
@@ -58,28 +59,32 @@ class WorkspaceCalibrator:
         self._specs.setdefault(key, (func, *spec))
         self.event_keys[event] = key
 
-    def measure(self) -> dict[int, int]:
-        """Workspace bytes per noted event."""
+    def measure(self) -> dict[int, tuple[int, int]]:
+        """(forward, backward) workspace bytes per noted event."""
         per_key = {key: _measure_one(*spec) for key, spec in self._specs.items()}
         return {event: per_key[key] for event, key in self.event_keys.items()}
 
 
-def _measure_one(func: Any, spec_args: tuple, spec_kwargs: dict) -> int:
+def _measure_one(func: Any, spec_args: tuple, spec_kwargs: dict) -> tuple[int, int]:
     specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
-    if not any(x.needs_grad for x in specs) or specs[0].device.type not in ("cpu", "cuda"):
-        return 0
+    device = specs[0].device
+    if not any(x.needs_grad for x in specs) or device.type not in ("cpu", "cuda"):
+        return 0, 0
     args, kwargs = tree_map(
         lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
         (spec_args, spec_kwargs),
         is_leaf=lambda x: isinstance(x, _TensorSpec),
     )
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-    with torch.enable_grad():
-        out = func(*args, **kwargs)
-    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+    result: list[Any] = []
+    with torch.enable_grad(), allocator_peak(device) as forward:
+        result.append(func(*args, **kwargs))
+    outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
+    forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
+    outs = [o for o in outs if o.requires_grad]
     if not outs:
-        return 0
+        return forward_workspace, 0
     grads_out = [torch.randn_like(o) for o in outs]
     grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
-    peak = measure_peak(lambda: torch.autograd.backward(outs, grads_out), specs[0].device).peak_bytes
-    return max(0, peak - grad_bytes)
+    peak = measure_peak(lambda: torch.autograd.backward(outs, grads_out), device).peak_bytes
+    return forward_workspace, max(0, peak - grad_bytes)

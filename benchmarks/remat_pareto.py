@@ -21,6 +21,7 @@ import argparse
 import json
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def hand_mix(model: nn.Module, name: str) -> InstalledWrappers:
         options = dict.fromkeys(blocks, Option.FULL)
     else:  # full except the highest-resolution stages, which get selective
         options = {p: Option.SELECTIVE if p.startswith(top_res) else Option.FULL for p in blocks}
-    wrappers = InstalledWrappers(model, options)
+    wrappers = InstalledWrappers(model, options, defaultdict(lambda: sys.maxsize))  # cache every heavy output
     wrappers.ensure(options)
     return wrappers
 

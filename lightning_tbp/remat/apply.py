@@ -15,32 +15,44 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.flop_counter import flop_registry
 
+from lightning_tbp.remat.flops import FLOP_FORMULAS
 from lightning_tbp.remat.simulate import Option
 
 
-def _keep_heavy_ops(ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Selective policy: keep what is expensive to recompute, recompute the rest."""
-    from lightning_tbp.remat.flops import flop_count
-
-    if op._overloadpacket in _HEAVY_PACKETS or flop_count(op, args, kwargs, None) > 0:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+def is_heavy(op: torch._ops.OpOverload) -> bool:
+    """Ops the planner treats as expensive (matmul, convolution, attention): those with a FLOP formula."""
+    return op._overloadpacket in _HEAVY_PACKETS
 
 
-def _heavy_packets() -> set[Any]:
-    from torch.utils.flop_counter import flop_registry
+class _CacheFirstHeavyOps:
+    """Selective policy for one checkpointed call: cache the first ``limit`` heavy-op outputs.
 
-    from lightning_tbp.remat.flops import FLOP_FORMULAS
+    The recomputation stops at the block's last saved tensor (torch's early stop), which is often
+    the *input* of the block's last conv, saved before that conv runs; heavy ops past that point
+    are never re-run, so caching their outputs would only waste memory. The planner counts the
+    heavy ops before the stop in its trace and passes that count here.
+    """
 
-    return set(flop_registry) | set(FLOP_FORMULAS)
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.seen = 0
+
+    def __call__(self, ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if is_heavy(op):
+            self.seen += 1
+            if self.seen <= self.limit:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_HEAVY_PACKETS = _heavy_packets()
-_selective_context = functools.partial(create_selective_checkpoint_contexts, _keep_heavy_ops)
+_HEAVY_PACKETS = set(flop_registry) | set(FLOP_FORMULAS)
 
 
-def _checkpointed_forward(module: nn.Module, options: Mapping[str, Option], path: str) -> Callable[..., Any]:
+def _checkpointed_forward(
+    module: nn.Module, options: Mapping[str, Option], cache_limits: Mapping[str, int], path: str
+) -> Callable[..., Any]:
     original = type(module).forward.__get__(module)
 
     @functools.wraps(original)
@@ -48,7 +60,10 @@ def _checkpointed_forward(module: nn.Module, options: Mapping[str, Option], path
         option = options.get(path, Option.KEEP)
         if option == Option.KEEP or not torch.is_grad_enabled():
             return original(*args, **kwargs)
-        extra = {"context_fn": _selective_context} if option == Option.SELECTIVE else {}
+        extra = {}
+        if option == Option.SELECTIVE:
+            limit = cache_limits[path]
+            extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
         return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
 
     return forward
@@ -57,13 +72,15 @@ def _checkpointed_forward(module: nn.Module, options: Mapping[str, Option], path
 class InstalledWrappers:
     """Checkpoint wrappers on a module tree; ``remove()`` restores every module.
 
-    ``options`` is shared with the owner and read at call time; ``ensure`` wraps the modules a
-    new plan needs, and modules whose path is absent from ``options`` behave as unwrapped.
+    ``options`` (and, for selective blocks, ``cache_limits``: how many heavy-op outputs to cache)
+    are shared with the owner and read at call time; ``ensure`` wraps the modules a new plan
+    needs, and modules whose path is absent from ``options`` behave as unwrapped.
     """
 
-    def __init__(self, root: nn.Module, options: Mapping[str, Option]) -> None:
+    def __init__(self, root: nn.Module, options: Mapping[str, Option], cache_limits: Mapping[str, int]) -> None:
         self.root = root
         self.options = options
+        self.cache_limits = cache_limits
         self._wrapped: dict[str, nn.Module] = {}
 
     def ensure(self, paths: Iterable[str]) -> None:
@@ -80,7 +97,7 @@ class InstalledWrappers:
                 f"module {path!r} already has an instance-level forward (another wrapper?); "
                 "lightning_tbp wraps modules by setting one and cannot stack on top of it"
             )
-        module.forward = _checkpointed_forward(module, self.options, path)
+        module.forward = _checkpointed_forward(module, self.options, self.cache_limits, path)
         self._wrapped[path] = module
 
     def remove(self) -> None:

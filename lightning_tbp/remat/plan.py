@@ -60,6 +60,7 @@ class ShapePlan:
 
     signature: Signature
     options: dict[str, Option]
+    cache_limits: dict[str, int]  # per selective block: heavy-op outputs its checkpoint caches
     budget_bytes: int
     naive: SimResult
     planned: SimResult
@@ -84,8 +85,9 @@ class Plan:
     """A rematerialization plan installed on a module; see :func:`rematerialize`."""
 
     def __init__(self, module: nn.Module, memory_budget: object = "auto", *, measure: bool = False) -> None:
-        """``measure=True``: the first step that reuses a plan is metered (forward start to
-        :meth:`finish_measurement`), so reports show predicted against measured peak."""
+        """``measure=True``: the step that makes a plan is metered from the end of planning to
+        :meth:`finish_measurement` (call it after the backward), if it starts without parameter
+        gradients, so reports show the predicted against the measured peak."""
         self.module = module
         self.measure = measure
         self._meter: contextlib.ExitStack | None = None
@@ -94,7 +96,8 @@ class Plan:
         self.shape_plans: dict[Signature, ShapePlan] = {}
         self.current: ShapePlan | None = None
         self._active: dict[str, Option] = {}
-        self._wrappers = InstalledWrappers(module, self._active)
+        self._cache_limits: dict[str, int] = {}
+        self._wrappers = InstalledWrappers(module, self._active, self._cache_limits)
         self._planning = False
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
 
@@ -107,11 +110,20 @@ class Plan:
             shape_plan = self._solve(signature, args, kwargs)
             self.shape_plans[signature] = shape_plan
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
-        elif self.measure and shape_plan.measured_peak_bytes is None and self._meter is None:
-            self._meter = contextlib.ExitStack()
-            self._meter_result = self._meter.enter_context(allocator_peak(_device_of(self.module, args, kwargs)))
+            if self.measure and self._meter is None and self._comparable_step():
+                self._meter = contextlib.ExitStack()
+                self._meter_result = self._meter.enter_context(allocator_peak(_device_of(self.module, args, kwargs)))
         self._activate(shape_plan)
         return shape_plan
+
+    def _comparable_step(self) -> bool:
+        """A step can be checked against the prediction only if it starts without gradients.
+
+        The prediction counts parameter gradients as allocated during the backward. Lightning
+        frees the previous step's gradients *between* forward and backward, so only a step that
+        starts with none (the first, or after ``zero_grad(set_to_none=True)``) is comparable.
+        """
+        return all(p.grad is None for p in self.module.parameters())
 
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._planning or not torch.is_grad_enabled():
@@ -161,6 +173,9 @@ class Plan:
         shape_plan = ShapePlan(
             signature=signature,
             options={trace.nodes[i].path: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
+            cache_limits={
+                trace.nodes[i].path: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
+            },
             budget_bytes=budget_bytes,
             naive=naive,
             planned=planned,
@@ -178,6 +193,8 @@ class Plan:
         self._wrappers.ensure(shape_plan.options)
         self._active.clear()
         self._active.update(shape_plan.options)
+        self._cache_limits.clear()
+        self._cache_limits.update(shape_plan.cache_limits)
         self.current = shape_plan
 
     # -- lifecycle and reports --------------------------------------------------------------------

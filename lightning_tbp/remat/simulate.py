@@ -108,6 +108,13 @@ class Simulator:
                 self.grads_freed[producer].append(sid)
         self.slices_grad = [op.startswith(_SLICING_BACKWARD) for op in trace.event_op]
         self.passes_grad = [op.startswith(_PASS_THROUGH_BACKWARD) for op in trace.event_op]
+        # A selective block (whose subtree is plain) caches heavy outputs only up to its last saving
+        # event: its recomputation stops there, so later heavy ops are never re-run.
+        self.cache_end = [-1] * len(trace.nodes)
+        for node in trace.nodes:
+            for event in range(node.first_event, node.last_event + 1):
+                if trace.event_saves[event]:
+                    self.cache_end[node.index] = event
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
 
@@ -120,6 +127,12 @@ class Simulator:
                 found = node
             node = self.parent[node]
         return found
+
+    def cache_limit(self, node: int) -> int:
+        """Heavy ops a selective checkpoint of ``node`` caches (see ``cache_end``)."""
+        trace = self.trace
+        first = trace.nodes[node].first_event
+        return sum(trace.event_heavy[e] for e in range(first, self.cache_end[node] + 1))
 
     def run(self, options: list[Option], capture_step: int = -1) -> SimResult:
         return _Replay(self, options, capture_step).result()
@@ -219,6 +232,7 @@ class _Replay:
         """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids."""
         sim, trace, options = self.sim, self.trace, self.options
         selective_recompute = recompute and options[region] == Option.SELECTIVE
+        cache_end = sim.cache_end[region]
         remap: dict[int, int] = {}
 
         def mapped(sid: int) -> int:
@@ -229,7 +243,7 @@ class _Replay:
             if ctx >= 0 and event == sim.first[ctx]:
                 self.node_inputs[ctx] = self.hold([mapped(s) for s in trace.nodes[ctx].inputs])
                 self.node_cache[ctx] = []
-            cached = selective_recompute and trace.event_heavy[event]
+            cached = selective_recompute and trace.event_heavy[event] and event <= cache_end
             for sid in trace.event_outputs[event]:
                 if cached or not sim.is_activation[sid]:
                     continue
@@ -242,7 +256,7 @@ class _Replay:
                 self.allocate(sid)
             if ctx < 0:
                 self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
-            elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event]:
+            elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in trace.event_outputs[event]]))
             if recompute and not cached:
                 self.recompute_cost += trace.event_cost[event]

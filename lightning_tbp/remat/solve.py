@@ -11,6 +11,12 @@ from the replay itself:
    cost. Repeat until the peak fits the budget.
 4. Prune: undo or soften moves (most expensive first) that the final plan does not need.
 
+Greedy descent is path dependent, so a small portfolio competes: the greedy path from the plain
+model recorded at a few slightly tighter targets, and for each target a start from a Lagrangian
+tree knapsack (each option priced by one exact replay, cost - lambda * bytes freed, over a sweep
+of lambda) repaired by the greedy. The cheapest candidates are pruned against the real target
+and the cheapest result wins.
+
 Full checkpoints may nest (a stage checkpointed around checkpointed blocks: "height-compressed"
 plans, whose held memory grows with the depth of the module tree, not its length); selective
 checkpointing is only placed where no ancestor is checkpointed, because torch keeps a selective
@@ -29,6 +35,11 @@ from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
 
 _EXACT_CANDIDATES = 4
 _MAX_STALLED_MOVES = 3
+#: Targets (fractions of the real one) whose plans compete; see ``Solver._solve``.
+_TARGET_PORTFOLIO = (1.0, 0.96, 0.92, 0.88)
+_PRUNED_CANDIDATES = 3
+#: Prices per byte swept by the Lagrangian start, in cost units (FLOP-equivalents) per byte.
+_LAMBDAS = tuple(10 ** (k / 8) for k in range(-16, 41))
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
 #: allocator peaks within a few percent, and the budget is a promise about the measured peak.
 PLANNING_MARGIN = 0.05
@@ -92,10 +103,14 @@ class Solver:
             if node.parent >= 0:
                 self.subtree_end[node.parent] = max(self.subtree_end[node.parent], self.subtree_end[node.index])
         self.replays = 0
+        self._prices: dict[tuple[int, Option], tuple[float, float]] | None = None
+        self._naive: SimResult | None = None
 
     # -- public -----------------------------------------------------------------------------------
     def naive(self) -> SimResult:
-        return self.replay([Option.KEEP] * len(self.nodes))
+        if self._naive is None:
+            self._naive = self.replay([Option.KEEP] * len(self.nodes))
+        return self._naive
 
     def solve(self, budget_bytes: int) -> Solution:
         """Cheapest plan found whose predicted peak is within the budget less the margin."""
@@ -104,27 +119,113 @@ class Solver:
     def _solve(self, target_bytes: int, budget_bytes: int) -> Solution:
         start = time.perf_counter()
         naive = self.naive()
-        options = [Option.KEEP] * len(self.nodes)
+        keep_all = [Option.KEEP] * len(self.nodes)
         if naive.peak_bytes <= budget_bytes:  # the budget allows the unplanned step
-            return Solution(options, naive, naive, None, time.perf_counter() - start, self.replays)
-        result = naive
-        best_peak = result.peak_bytes
+            return Solution(keep_all, naive, naive, None, time.perf_counter() - start, self.replays)
+        # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
+        # for a few tighter targets all fit the real one; the cheapest after pruning wins.
+        targets = [int(target_bytes * f) for f in _TARGET_PORTFOLIO]
+        candidates, lowest = self.greedy_path(keep_all, naive, targets)
+        for target in targets:
+            options, result = self.greedy(*self.lagrangian_start(naive, target), target)
+            lowest = min(lowest, result.peak_bytes)
+            if result.peak_bytes <= target:
+                candidates.append((options, result))
+        if not candidates:
+            raise InfeasibleBudgetError(budget_bytes, lowest, naive.peak_bytes)
+        unique = {tuple(o): (o, r) for o, r in candidates}.values()
+        cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:_PRUNED_CANDIDATES]
+        pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
+        options, result = min(pruned, key=lambda c: c[1].recompute_cost)
+        return Solution(options, result, naive, None, time.perf_counter() - start, self.replays)
+
+    def greedy_path(
+        self, options: list[Option], result: SimResult, targets: list[int]
+    ) -> tuple[list[tuple[list[Option], SimResult]], int]:
+        """One greedy descent; returns the first plan under each target and the lowest peak seen."""
+        found: list[tuple[list[Option], SimResult]] = []
+        lowest = result.peak_bytes
+        for target in sorted(targets, reverse=True):
+            options, result = self.greedy(options, result, target)
+            lowest = min(lowest, result.peak_bytes)
+            if result.peak_bytes > target:
+                break
+            found.append((options, result))
+        return found, lowest
+
+    def greedy(self, options: list[Option], result: SimResult, target_bytes: int) -> tuple[list[Option], SimResult]:
+        """Apply the best move at the peak until the plan fits (or no move helps any more)."""
+        best = (result.peak_bytes, options, result)
         stalled = 0
-        while result.peak_bytes > target_bytes:
+        while result.peak_bytes > target_bytes and stalled < _MAX_STALLED_MOVES:
             move = self.best_move(options, result)
             if move is None:
                 break
-            options, new_result = move
-            stalled = stalled + 1 if new_result.peak_bytes >= best_peak else 0
-            result = new_result
-            if result.peak_bytes < best_peak:
-                best_peak = result.peak_bytes
-            if stalled >= _MAX_STALLED_MOVES:
-                break
-        if result.peak_bytes > target_bytes:
-            raise InfeasibleBudgetError(budget_bytes, best_peak, naive.peak_bytes)
-        options, result = self.prune(options, result, target_bytes)
-        return Solution(options, result, naive, None, time.perf_counter() - start, self.replays)
+            options, result = move
+            stalled = stalled + 1 if result.peak_bytes >= best[0] else 0
+            if result.peak_bytes < best[0]:
+                best = (result.peak_bytes, options, result)
+        return (options, result) if result.peak_bytes <= target_bytes else (best[1], best[2])
+
+    def lagrangian_start(self, naive: SimResult, target_bytes: int) -> tuple[list[Option], SimResult]:
+        """Cheapest plan of a Lagrangian sweep that fits, else the sweep's lowest peak.
+
+        Each block option is priced once by replaying it alone (bytes it frees at the end of the
+        forward, recomputation it costs); for a price ``lam`` per byte, the tree is solved exactly
+        for ``cost - lam * freed`` (a full checkpoint makes its subtree's choices moot, a selective
+        one requires a plain subtree). Every distinct plan of the sweep is replayed exactly.
+        """
+        prices = self._singleton_prices(naive)
+        best: tuple[tuple[bool, float], list[Option], SimResult] | None = None
+        seen: set[tuple[Option, ...]] = set()
+        for lam in _LAMBDAS:
+            options = [Option.KEEP] * len(self.nodes)
+            self._assign(0, lam, prices, options)
+            key = tuple(options)
+            if key in seen:
+                continue
+            seen.add(key)
+            result = self.replay(options)
+            fits = result.peak_bytes <= target_bytes
+            rank = (not fits, result.recompute_cost if fits else result.peak_bytes)
+            if best is None or rank < best[0]:
+                best = (rank, options, result)
+        assert best is not None
+        return best[1], best[2]
+
+    def _singleton_prices(self, naive: SimResult) -> dict[tuple[int, Option], tuple[float, float]]:
+        if self._prices is not None:
+            return self._prices
+        prices = {}
+        for node in self.nodes[1:]:
+            if not node.has_events:
+                continue
+            for option in (Option.FULL, Option.SELECTIVE):
+                options = [Option.KEEP] * len(self.nodes)
+                options[node.index] = option
+                result = self.replay(options)
+                freed = naive.forward_end_bytes - result.forward_end_bytes
+                prices[node.index, option] = (result.recompute_cost, freed)
+        self._prices = prices
+        return prices
+
+    def _assign(self, index: int, lam: float, prices: dict, options: list[Option]) -> float:
+        """Solve the subtree of ``index`` for ``cost - lam * freed``; writes ``options``, returns the value."""
+        children = self.nodes[index].children
+        value_keep = sum(self._assign(child, lam, prices, options) for child in children)
+        if index == 0:
+            return value_keep
+        best_value, best_option = value_keep, Option.KEEP
+        for option in (Option.FULL, Option.SELECTIVE):
+            if (index, option) in prices:
+                cost, freed = prices[index, option]
+                if cost - lam * freed < best_value:
+                    best_value, best_option = cost - lam * freed, option
+        if best_option != Option.KEEP:
+            for j in range(index + 1, self.subtree_end[index]):
+                options[j] = Option.KEEP
+        options[index] = best_option
+        return best_value
 
     def minimum(self) -> Solution:
         """The lowest-peak plan the search finds, ignoring the margin."""

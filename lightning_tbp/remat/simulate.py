@@ -10,13 +10,14 @@ The replay follows what torch does with non-reentrant ``torch.utils.checkpoint``
   as their ops' backward runs.
 * A selective block (selective activation checkpointing) also caches the outputs of heavy ops
   (matmul, convolution, attention) during the forward, so its recomputation re-runs only the
-  cheap ops; the cache stays alive until the block's backward is over (measured with torch 2.13,
-  CPU allocator events).
+  cheap ops; the recompute consumes the cache (entries it reaches are then held only by the
+  recompute's own saves).
 * The gradient of a tensor appears when the backward of its last consumer runs and disappears
   after the backward of its producer; parameter gradients stay. Other consumers' backwards add
   a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat).
   ``cat`` hands its inputs slice *views* of its output gradient, so a U-Net skip's gradient keeps
-  the whole concatenated gradient buffer alive until a second contribution replaces the view.
+  the whole concatenated gradient buffer alive until a second contribution replaces the view, and
+  a conv/matmul/norm backward receiving such a view first copies it to a contiguous tensor.
 * Heavy ops (conv, matmul, attention) allocate transient workspace in forward (so in every
   recomputation) and backward; the trace measured it per op (``workspace.py``).
 * A tensor's Python reference ends where the profiling pass saw its last reference go, which is
@@ -35,6 +36,9 @@ from lightning_tbp.remat.trace import Trace
 #: Ops whose backward hands each input a slice *view* of the output gradient: an input's
 #: gradient then keeps the whole output-gradient buffer alive (U-Net skips after ``cat``).
 _SLICING_BACKWARD = ("cat.",)
+#: Besides heavy ops (conv, matmul, attention), ops whose backward copies a non-contiguous
+#: output gradient (such as a slice view from ``cat``) to a contiguous one first.
+_CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
 #: Ops whose backward passes the output gradient on without allocating a new tensor.
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
@@ -108,13 +112,14 @@ class Simulator:
                 self.grads_freed[producer].append(sid)
         self.slices_grad = [op.startswith(_SLICING_BACKWARD) for op in trace.event_op]
         self.passes_grad = [op.startswith(_PASS_THROUGH_BACKWARD) for op in trace.event_op]
-        # A selective block (whose subtree is plain) caches heavy outputs only up to its last saving
-        # event: its recomputation stops there, so later heavy ops are never re-run.
-        self.cache_end = [-1] * len(trace.nodes)
-        for node in trace.nodes:
-            for event in range(node.first_event, node.last_event + 1):
-                if trace.event_saves[event]:
-                    self.cache_end[node.index] = event
+        self.needs_contiguous_grad = [
+            heavy or op.startswith(_CONTIGUOUS_GRAD_BACKWARD)
+            for heavy, op in zip(trace.event_heavy, trace.event_op, strict=True)
+        ]
+        # Where a recomputation of a plain block stops: torch ends it at the last saved tensor. A
+        # saved input is packed *before* its op runs, so if the last save holds only inputs the op
+        # itself is not re-run. A selective block caches heavy outputs up to that point only.
+        self.cache_end = [self.stop_after(node.first_event, node.last_event) for node in trace.nodes]
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
 
@@ -127,6 +132,22 @@ class Simulator:
                 found = node
             node = self.parent[node]
         return found
+
+    def stop_after(self, first: int, last: int, inner_starts: tuple[int, ...] = ()) -> int:
+        """Last event a recomputation of events ``first..last`` runs (``first - 1``: none).
+
+        ``inner_starts`` are the first events of inner checkpoints: their inputs are saved
+        before they start, so reaching one counts as a save of inputs only.
+        """
+        trace = self.trace
+        for event in range(last, first - 1, -1):
+            if event in inner_starts:
+                return event - 1
+            saves = trace.event_saves[event]
+            if saves:
+                outputs = set(trace.event_outputs[event])
+                return event if any(s in outputs for s in saves) else event - 1
+        return first - 1
 
     def cache_limit(self, node: int) -> int:
         """Heavy ops a selective checkpoint of ``node`` caches (see ``cache_end``)."""
@@ -286,21 +307,27 @@ class _Replay:
             self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1
             outer_region, self.region = self.region, ctx
             self.forward(ctx, sim.first[ctx], self.early_stop_end(ctx), recompute=True)
+            self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
             self.backward(ctx, sim.first[ctx], sim.last[ctx])
-            self.release(self.node_cache.pop(ctx, []))  # measured: the cache lives until here
             self.release(self.node_inputs.pop(ctx, []))
             self.region = outer_region
             event = sim.first[ctx] - 1
 
     def early_stop_end(self, block: int) -> int:
-        """Last event a recompute of ``block`` must run: the last one that saves something."""
+        """Last event a recompute of ``block`` runs, given the checkpoints inside it."""
         sim, trace = self.sim, self.trace
-        end = sim.first[block]
-        for event in range(sim.first[block], sim.last[block] + 1):
+        first, last = sim.first[block], sim.last[block]
+        inner_starts = []
+        plain_last = first - 1
+        for event in range(first, last + 1):
             ctx = sim.context(trace.event_node[event], block, self.options)
-            if (ctx < 0 and trace.event_saves[event]) or (ctx >= 0 and event == sim.first[ctx]):
-                end = event
-        return end
+            if ctx >= 0 and event == sim.first[ctx]:
+                inner_starts.append(event)
+            if ctx < 0 and trace.event_saves[event]:
+                plain_last = event
+        candidates = [sim.stop_after(first, plain_last)] if plain_last >= first else []
+        candidates += [start - 1 for start in inner_starts]
+        return max(candidates, default=first - 1)
 
     def backward_event(self, event: int) -> None:
         sim, sizes = self.sim, self.sim.sizes
@@ -316,6 +343,8 @@ class _Replay:
                 self.grad_views[out] = self.grad_views.get(out, 0) + 1
             else:
                 self.mem += sizes[sid]
+        if sim.needs_contiguous_grad[event]:  # a slice-view gradient is copied to contiguous first
+            transient += sum(sizes[sid] for sid in self.trace.event_outputs[event] if sid in self.grad_view_of)
         for sid in sim.grads_accumulated[event]:
             if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
                 self.mem += sizes[sid]

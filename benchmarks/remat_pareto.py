@@ -227,7 +227,12 @@ def plot(result: dict, path: Path) -> None:
             rows.sort(key=lambda r: r["peak_ratio"])
             xs, ys = [r[key] for r in rows], [r["peak_ratio"] for r in rows]
             ax.plot(
-                xs, ys, marker=marker, color=color, label=series, linestyle="-" if series == "tiny_backprop" else ""
+                xs,
+                ys,
+                marker=marker,
+                color=color,
+                label=series,
+                linestyle="-" if series == "tiny_backprop" and key == "flop_ratio" else "",
             )
         ax.set_xlabel(label)
         ax.set_ylabel("measured peak / naive")
@@ -250,9 +255,13 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64)
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--skip-compile", action="store_true", help="leave out torch.compile (slow to compile on CPU)")
+    parser.add_argument("--plot-only", type=Path, help="redraw the plot from an existing JSON result")
     args = parser.parse_args()
     if args.trials < 1 or args.batch < 1 or args.size < 8:
         parser.error("--trials and --batch must be positive and --size at least 8")
+    if args.plot_only:
+        plot(json.loads(args.plot_only.read_text()), args.plot_only.with_suffix(".png"))
+        return
     result = run(args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "remat_pareto.json").write_text(json.dumps(result, indent=2))

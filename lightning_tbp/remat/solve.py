@@ -38,6 +38,10 @@ _MAX_STALLED_MOVES = 3
 #: Targets (fractions of the real one) whose plans compete; see ``Solver._solve``.
 _TARGET_PORTFOLIO = (1.0, 0.96, 0.92, 0.88)
 _PRUNED_CANDIDATES = 3
+_MAX_PRUNE_PASSES = 4
+#: Above this many blocks, the greedy applies moves in batches and only the cheapest candidate is
+#: pruned, in one pass (planning stays within seconds for hundreds of blocks).
+_LARGE_MODEL_NODES = 64
 #: Prices per byte swept by the Lagrangian start, in cost units (FLOP-equivalents) per byte.
 _LAMBDAS = tuple(10 ** (k / 8) for k in range(-16, 41))
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
@@ -134,7 +138,8 @@ class Solver:
         if not candidates:
             raise InfeasibleBudgetError(budget_bytes, lowest, naive.peak_bytes)
         unique = {tuple(o): (o, r) for o, r in candidates}.values()
-        cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:_PRUNED_CANDIDATES]
+        keep = 1 if len(self.nodes) > _LARGE_MODEL_NODES else _PRUNED_CANDIDATES
+        cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:keep]
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = min(pruned, key=lambda c: c[1].recompute_cost)
         return Solution(options, result, naive, None, time.perf_counter() - start, self.replays)
@@ -158,7 +163,7 @@ class Solver:
         best = (result.peak_bytes, options, result)
         stalled = 0
         while result.peak_bytes > target_bytes and stalled < _MAX_STALLED_MOVES:
-            move = self.best_move(options, result)
+            move = self.best_move(options, result, target_bytes)
             if move is None:
                 break
             options, result = move
@@ -170,8 +175,9 @@ class Solver:
     def lagrangian_start(self, naive: SimResult, target_bytes: int) -> tuple[list[Option], SimResult]:
         """Cheapest plan of a Lagrangian sweep that fits, else the sweep's lowest peak.
 
-        Each block option is priced once by replaying it alone (bytes it frees at the end of the
-        forward, recomputation it costs); for a price ``lam`` per byte, the tree is solved exactly
+        Each block option is priced from one snapshot of the plain model at the end of its forward
+        (bytes only that block holds, less what the option keeps; its recomputation cost); for a
+        price ``lam`` per byte, the tree is solved exactly
         for ``cost - lam * freed`` (a full checkpoint makes its subtree's choices moot, a selective
         one requires a plain subtree). Every distinct plan of the sweep is replayed exactly.
         """
@@ -194,18 +200,20 @@ class Solver:
         return best[1], best[2]
 
     def _singleton_prices(self, naive: SimResult) -> dict[tuple[int, Option], tuple[float, float]]:
+        """(cost, bytes freed at the end of the forward) of each option alone, from one snapshot."""
         if self._prices is not None:
             return self._prices
+        snapshot = self.replay([Option.KEEP] * len(self.nodes), capture_step=self.sim.trace.num_events - 1).snapshot
+        assert snapshot is not None
+        freed_full, lca = self._releasable_bytes(snapshot)
         prices = {}
         for node in self.nodes[1:]:
             if not node.has_events:
                 continue
-            for option in (Option.FULL, Option.SELECTIVE):
-                options = [Option.KEEP] * len(self.nodes)
-                options[node.index] = option
-                result = self.replay(options)
-                freed = naive.forward_end_bytes - result.forward_end_bytes
-                prices[node.index, option] = (result.recompute_cost, freed)
+            full = freed_full[node.index] - self._kept_inputs(node.index, snapshot, lca)
+            selective = full - self._cache_bytes(node.index, snapshot, lca)
+            prices[node.index, Option.FULL] = (self.subtree_cost[node.index], full)
+            prices[node.index, Option.SELECTIVE] = (self.cheap_cost[node.index], selective)
         self._prices = prices
         return prices
 
@@ -266,7 +274,9 @@ class Solver:
                     new[j] = Option.KEEP
         return new
 
-    def best_move(self, options: list[Option], result: SimResult) -> tuple[list[Option], SimResult] | None:
+    def best_move(
+        self, options: list[Option], result: SimResult, target_bytes: int
+    ) -> tuple[list[Option], SimResult] | None:
         snapshot = self.replay(options, capture_step=result.peak_step).snapshot
         assert snapshot is not None
         freed_full, lca = self._releasable_bytes(snapshot)
@@ -280,10 +290,14 @@ class Solver:
             extra = self.subtree_cost[index] if option == Option.FULL else self.cheap_cost[index]
             if option == Option.FULL and options[index] == Option.SELECTIVE:
                 extra -= self.cheap_cost[index]
-            scored.append((freed / max(extra, 1.0), index, option))
+            scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
+        if len(self.nodes) > _LARGE_MODEL_NODES:
+            batched = self._batch_move(options, result, scored, result.peak_bytes - target_bytes)
+            if batched is not None:
+                return batched
         best = None
-        for _, index, option in scored[:_EXACT_CANDIDATES]:
+        for _, index, option, _ in scored[:_EXACT_CANDIDATES]:
             candidate = self.apply(options, index, option)
             trial = self.replay(candidate)
             gain = result.peak_bytes - trial.peak_bytes
@@ -292,6 +306,28 @@ class Solver:
             if best is None or key > best[0]:
                 best = (key, candidate, trial)
         return None if best is None else (best[1], best[2])
+
+    def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
+        """On large models, apply the best-ranked moves on disjoint subtrees together.
+
+        They are taken until their estimated savings cover half the remaining deficit, so the
+        descent needs a logarithmic rather than linear number of replays; the exact one-move
+        step remains the fallback when a batch does not lower the peak.
+        """
+        batch: list[int] = []
+        candidate, covered = list(options), 0
+        for _, index, option, freed in scored:
+            if any(index in range(b, self.subtree_end[b]) or b in range(index, self.subtree_end[index]) for b in batch):
+                continue
+            candidate = self.apply(candidate, index, option)
+            batch.append(index)
+            covered += freed
+            if covered >= deficit / 2:
+                break
+        if len(batch) < 2:
+            return None
+        trial = self.replay(candidate)
+        return (candidate, trial) if trial.peak_bytes < result.peak_bytes else None
 
     def _releasable_bytes(self, snapshot: Snapshot) -> tuple[list[int], dict[int, int]]:
         """Per block, bytes live at the snapshot that only that block's subtree holds.
@@ -350,8 +386,9 @@ class Solver:
     def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
         """Undo or soften moves the plan does not need, most expensive first."""
         improved = True
-        while improved:
-            improved = False
+        passes = 1 if len(self.nodes) > _LARGE_MODEL_NODES else _MAX_PRUNE_PASSES
+        while improved and passes > 0:
+            improved, passes = False, passes - 1
             planned = sorted(
                 (i for i, o in enumerate(options) if o != Option.KEEP),
                 key=lambda i: self.subtree_cost[i],

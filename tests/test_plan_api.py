@@ -53,6 +53,18 @@ def test_report_and_json_summary() -> None:
     plan.remove()
 
 
+def test_profile_records_unet_skip_edges() -> None:
+    """The trace knows which block feeds which: U-Net skips run from the down path to the up path."""
+    model, args, kwargs = make_case(UNET)
+    plan = rematerialize(model, *args, memory_budget=0.9, **kwargs)
+    edges = {(e["from"], e["to"]) for e in plan.to_dict()["edges"]}
+    plan.remove()
+    assert ("down_blocks.0.downsamplers.0", "down_blocks.1") in edges  # the main path
+    skips = {(a, b) for a, b in edges if a.startswith("down_blocks") and b.startswith("up_blocks")}
+    assert ("down_blocks.0.resnets.0", "up_blocks.2") in skips
+    assert len({b for _, b in skips if "." not in b[len("up_blocks.") :]}) == 3, "every up stage takes skips"
+
+
 def test_new_input_shape_gets_its_own_plan_and_stays_exact() -> None:
     model, args, kwargs = make_case(UNET)
     plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)

@@ -67,6 +67,7 @@ class ShapePlan:
     forward_flops: int
     parameter_grad_bytes: int
     blocks: list[BlockDecision] = field(default_factory=list)
+    edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
     profile_seconds: float = 0.0
     solve_seconds: float = 0.0
     measured_peak_bytes: int | None = None  # filled by Plan.finish_measurement()
@@ -182,6 +183,7 @@ class Plan:
             forward_flops=sum(trace.event_flops),
             parameter_grad_bytes=trace.parameter_grad_bytes,
             blocks=_block_table(trace, simulator, options, planned),
+            edges=trace.block_edges(),
             profile_seconds=profile_seconds,
             solve_seconds=solve_seconds,
         )
@@ -274,6 +276,7 @@ class Plan:
                 }
                 for b in sp.blocks
             ],
+            "edges": [{"from": a, "to": b, "bytes": size} for a, b, size in sp.edges],
         }
 
     def to_json(self, shape_plan: ShapePlan | None = None) -> str:

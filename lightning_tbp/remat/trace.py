@@ -84,6 +84,30 @@ class Trace:
     def num_events(self) -> int:
         return len(self.event_node)
 
+    def block_edges(self) -> list[tuple[str, str, int]]:
+        """Data edges between blocks: (producer block, consumer block, bytes).
+
+        A block's input made by another block is an edge from the deepest block that made it
+        (and does not enclose the consumer) to the consumer, so a U-Net skip shows up as an edge
+        from a down-path block to an up-path block.
+        """
+        edges: dict[tuple[int, int], int] = {}
+        for node in self.nodes[1:]:
+            ancestors = set()
+            walk = node.parent
+            while walk >= 0:
+                ancestors.add(walk)
+                walk = self.nodes[walk].parent
+            for sid in set(node.inputs):
+                producer_event = self.storage_producer[sid] if self.storage_is_activation[sid] else -1
+                if producer_event < 0:
+                    continue
+                producer = self.event_node[producer_event]
+                if producer > 0 and producer not in ancestors:
+                    key = (producer, node.index)
+                    edges[key] = edges.get(key, 0) + self.storage_bytes[sid]
+        return [(self.nodes[a].path, self.nodes[b].path, size) for (a, b), size in sorted(edges.items())]
+
     def node_by_path(self, path: str) -> Node:
         for node in self.nodes:
             if node.path == path:

@@ -68,6 +68,7 @@ class ShapePlan:
     parameter_grad_bytes: int
     blocks: list[BlockDecision] = field(default_factory=list)
     edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
+    peak_block: str = ""  # the block whose forward, recompute or backward the predicted peak falls in
     profile_seconds: float = 0.0
     solve_seconds: float = 0.0
     measured_peak_bytes: int | None = None  # filled by Plan.finish_measurement()
@@ -184,6 +185,7 @@ class Plan:
             parameter_grad_bytes=trace.parameter_grad_bytes,
             blocks=_block_table(trace, simulator, options, planned),
             edges=trace.block_edges(),
+            peak_block=_peak_block(trace, simulator, options, planned),
             profile_seconds=profile_seconds,
             solve_seconds=solve_seconds,
         )
@@ -232,7 +234,7 @@ class Plan:
             f"budget {format_bytes(sp.budget_bytes)} ({self.budget.describe()}); "
             f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
             f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
-            f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included)",
+            f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}",
             *(
                 [
                     f"measured peak {format_bytes(sp.measured_peak_bytes)} = "
@@ -256,6 +258,7 @@ class Plan:
             "naive_peak_bytes": sp.naive.peak_bytes,
             "predicted_peak_bytes": sp.predicted_peak_bytes,
             "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
+            "predicted_peak_at": sp.peak_block,
             "measured_peak_bytes": sp.measured_peak_bytes,
             "parameter_grad_bytes": sp.parameter_grad_bytes,
             "forward_flops": sp.forward_flops,
@@ -308,6 +311,15 @@ def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int
                 charged.add(sid)
                 kept[node] = kept.get(node, 0) + snapshot.sizes.get(sid, 0)
     return kept
+
+
+def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> str:
+    snapshot = simulator.run(options, capture_step=planned.peak_step).snapshot
+    assert snapshot is not None
+    if snapshot.region:
+        return f"recompute/backward of {trace.nodes[snapshot.region].path}"
+    where = "forward" if planned.peak_step < trace.num_events else "backward"
+    return f"{where} (outside checkpointed blocks)"
 
 
 def _block_table(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> list[BlockDecision]:

@@ -71,7 +71,6 @@ class Solution:
     options: list[Option]
     result: SimResult
     naive: SimResult
-    minimum_peak_bytes: int | None
     solve_seconds: float
     replays: int
 
@@ -125,7 +124,7 @@ class Solver:
         naive = self.naive()
         keep_all = [Option.KEEP] * len(self.nodes)
         if naive.peak_bytes <= budget_bytes:  # the budget allows the unplanned step
-            return Solution(keep_all, naive, naive, None, time.perf_counter() - start, self.replays)
+            return Solution(keep_all, naive, naive, time.perf_counter() - start, self.replays)
         # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.
         targets = [int(target_bytes * f) for f in _TARGET_PORTFOLIO]
@@ -142,7 +141,7 @@ class Solver:
         cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:keep]
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = min(pruned, key=lambda c: c[1].recompute_cost)
-        return Solution(options, result, naive, None, time.perf_counter() - start, self.replays)
+        return Solution(options, result, naive, time.perf_counter() - start, self.replays)
 
     def greedy_path(
         self, options: list[Option], result: SimResult, targets: list[int]
@@ -234,13 +233,6 @@ class Solver:
                 options[j] = Option.KEEP
         options[index] = best_option
         return best_value
-
-    def minimum(self) -> Solution:
-        """The lowest-peak plan the search finds, ignoring the margin."""
-        try:
-            return self._solve(0, 0)
-        except InfeasibleBudgetError as error:
-            return self.solve(error.minimum_budget_bytes)
 
     # -- search ---------------------------------------------------------------------------------
     def replay(self, options: list[Option], capture_step: int = -1) -> SimResult:

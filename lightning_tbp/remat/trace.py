@@ -42,7 +42,6 @@ class Node:
     index: int
     path: str
     parent: int  # index of the enclosing candidate node, -1 for the root
-    depth: int
     first_event: int = -1
     last_event: int = -1
     inputs: tuple[int, ...] = ()  # storage ids of the tensors passed in (args and kwargs)
@@ -274,7 +273,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
     random stream (dropout stays reproducible), and buffers are restored afterwards.
     """
     trace = Trace()
-    root = Node(index=0, path="", parent=-1, depth=0)
+    root = Node(index=0, path="", parent=-1)
     trace.nodes.append(root)
     node_stack = [0]
     recorder = _Recorder(trace, node_stack)
@@ -285,7 +284,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
     def enter(sub: nn.Module, sub_args: tuple, sub_kwargs: dict) -> None:
         calls[id(sub)] = calls.get(id(sub), 0) + 1
         parent = trace.nodes[node_stack[-1]]
-        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index, depth=parent.depth + 1)
+        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index)
         node.first_event = trace.num_events
         node.inputs = tuple(s for t in _tensors((sub_args, sub_kwargs)) if (s := recorder.sid_of(t)) is not None)
         trace.nodes.append(node)

@@ -5,7 +5,8 @@ import torch
 from models import CASES, Case, feasible_range, make_case, max_relative_difference, training_step
 
 from lightning_tbp import rematerialize
-from lightning_tbp.remat import Option
+from lightning_tbp.remat import Option, Simulator, record_trace
+from lightning_tbp.remat.apply import InstalledWrappers
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
@@ -44,3 +45,22 @@ def test_lowest_plan_nests_checkpoints_and_uses_selective() -> None:
     plan = rematerialize(model, *args, memory_budget=0.8, **kwargs)
     assert Option.SELECTIVE in plan.current.options.values()
     plan.remove()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("option", [Option.LAZY, Option.SELECTIVE, Option.FULL])
+def test_every_block_option_is_exact(case: Case, option: Option) -> None:
+    """Each execution mechanism on every leaf block, independently of what the solver picks."""
+    model, args, kwargs = make_case(case)
+    ref_loss, ref_grads = training_step(model, case, args, kwargs)
+    trace = record_trace(model, args, kwargs)
+    simulator = Simulator(trace)
+    leaves = [n.index for n in trace.nodes[1:] if not n.children and n.has_events]
+    options = {trace.nodes[i].path: option for i in leaves}
+    limits = {trace.nodes[i].path: simulator.cache_limit(i) for i in leaves}
+    wrappers = InstalledWrappers(model, options, limits)
+    wrappers.ensure(options)
+    loss, grads = training_step(model, case, args, kwargs)
+    wrappers.remove()
+    assert torch.equal(loss, ref_loss)
+    assert max_relative_difference(grads, ref_grads) <= 1e-6

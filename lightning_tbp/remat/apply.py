@@ -18,6 +18,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import flop_registry
 
 from lightning_tbp.remat.flops import FLOP_FORMULAS
+from lightning_tbp.remat.lazy import lazy_recompute
 from lightning_tbp.remat.simulate import Option
 
 
@@ -60,6 +61,9 @@ def _checkpointed_forward(
         option = options.get(path, Option.KEEP)
         if option == Option.KEEP or not torch.is_grad_enabled():
             return original(*args, **kwargs)
+        if option == Option.LAZY:
+            with lazy_recompute():
+                return original(*args, **kwargs)
         extra = {}
         if option == Option.SELECTIVE:
             limit = cache_limits[path]

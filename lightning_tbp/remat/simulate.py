@@ -20,6 +20,8 @@ The replay follows what torch does with non-reentrant ``torch.utils.checkpoint``
   a conv/matmul/norm backward receiving such a view first copies it to a contiguous tensor.
 * Heavy ops (conv, matmul, attention) allocate transient workspace in forward (so in every
   recomputation) and backward; the trace measured it per op (``workspace.py``).
+* In a lazy block a saved output of a cheap op (and the chain of cheap ops behind it) is kept as
+  its recipe's leaves; the op's backward rebuilds the chain (a transient).
 * A tensor's Python reference ends where the profiling pass saw its last reference go, which is
   later than its last use wherever a variable holds it (observed, not inferred).
 
@@ -43,6 +45,9 @@ _CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
 
+_LAZY_MIN_BYTES = 16 * 1024  # lazy.MIN_LAZY_BYTES
+
+
 class Option(IntEnum):
     """What the plan does with one block."""
 
@@ -52,6 +57,11 @@ class Option(IntEnum):
     """Checkpoint the whole block: keep its inputs, recompute it in the backward."""
     SELECTIVE = 2
     """Keep inputs and heavy-op outputs, recompute the cheap ops (norms, activations, adds)."""
+    LAZY = 3
+    """No checkpoint: saved outputs of cheap ops become recipes rebuilt on demand (``lazy.py``)."""
+
+
+_CHECKPOINTS = (Option.FULL, Option.SELECTIVE)
 
 
 @dataclass
@@ -128,10 +138,39 @@ class Simulator:
         """Outermost checkpointed block strictly inside ``region`` that encloses ``node``."""
         found = -1
         while node != region and node >= 0:
-            if options[node] != Option.KEEP:
+            if options[node] in _CHECKPOINTS:
                 found = node
             node = self.parent[node]
         return found
+
+    def lazy_block(self, node: int, options: list[Option]) -> int:
+        """The lazy block enclosing ``node``, or -1."""
+        while node > 0:
+            if options[node] == Option.LAZY:
+                return node
+            node = self.parent[node]
+        return -1
+
+    def lazy_leaves(self, sid: int, block: int) -> tuple[list[int], int, float]:
+        """What a lazy ``block`` keeps for saved storage ``sid``: (leaves, rebuild bytes, rebuild cost).
+
+        Mirrors ``lazy.py``: a storage made by a recomputable op inside the block is rebuilt from
+        its inputs, recursively; anything else (and any small tensor) is kept as it is.
+        """
+        trace = self.trace
+        producer = trace.storage_producer[sid]
+        lo, hi = self.first[block], self.last[block]
+        if producer < lo or producer > hi or not trace.event_recomputable[producer]:
+            return [sid], 0, 0.0
+        leaves: list[int] = []
+        rebuild, cost = 0, trace.event_cost[producer]
+        for source in trace.event_inputs[producer]:
+            if not trace.storage_is_activation[source]:
+                continue
+            sub_leaves, sub_rebuild, sub_cost = self.lazy_leaves(source, block)
+            leaves += sub_leaves
+            rebuild, cost = max(rebuild, sub_rebuild), cost + sub_cost
+        return leaves, rebuild + self.sizes[sid], cost
 
     def stop_after(self, first: int, last: int, inner_starts: tuple[int, ...] = ()) -> int:
         """Last event a recomputation of events ``first..last`` runs (``first - 1``: none).
@@ -180,6 +219,7 @@ class _Replay:
         self.event_holds: dict[int, list[int]] = {}
         self.node_inputs: dict[int, list[int]] = {}
         self.node_cache: dict[int, list[int]] = {}
+        self.rebuilds: dict[int, int] = {}  # lazy blocks: bytes an event's backward rebuilds
         self.mem = 0
         self.peak = 0
         self.step = 0
@@ -233,6 +273,24 @@ class _Replay:
             self.holders[sid] = self.holders.get(sid, 0) + 1
         return held
 
+    def hold_lazily(self, event: int, block: int) -> list[int]:
+        """Hold the recipe leaves of ``event``'s saves; note what its backward must rebuild."""
+        held: list[int] = []
+        for sid in self.trace.event_saves[event]:
+            if self.sim.sizes[sid] < _LAZY_MIN_BYTES:
+                held += self.hold([sid])
+                continue
+            leaves, rebuild, cost = self.sim.lazy_leaves(sid, block)
+            for leaf in leaves:  # the recipe kept it alive since it was made
+                if leaf not in self.alive and self.sim.is_activation[leaf]:
+                    self.alive.add(leaf)
+                    self.mem += self.size(leaf)
+            held += self.hold(leaves)
+            if rebuild:
+                self.rebuilds[event] = self.rebuilds.get(event, 0) + rebuild
+                self.recompute_cost += cost
+        return held
+
     def release(self, sids: list[int]) -> None:
         for sid in sids:
             self.holders[sid] -= 1
@@ -276,7 +334,11 @@ class _Replay:
                     sid = new
                 self.allocate(sid)
             if ctx < 0:
-                self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
+                lazy = sim.lazy_block(trace.event_node[event], options) if not recompute else -1
+                if lazy < 0:
+                    self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
+                else:
+                    self.event_holds[event] = self.hold_lazily(event, lazy)
             elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in trace.event_outputs[event]]))
             if recompute and not cached:
@@ -332,7 +394,7 @@ class _Replay:
     def backward_event(self, event: int) -> None:
         sim, sizes = self.sim, self.sim.sizes
         slicing = sim.slices_grad[event] and len(self.trace.event_outputs[event]) == 1
-        transient = self.trace.event_workspace[event]
+        transient = self.trace.event_workspace[event] + self.rebuilds.pop(event, 0)
         for sid in sim.grads_created[event]:
             if sid in self.grads:
                 continue

@@ -35,6 +35,8 @@ from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
 
 _EXACT_CANDIDATES = 4
 _MAX_STALLED_MOVES = 3
+#: Options that keep a block's subtree plain and must not sit under a checkpoint.
+_SOFT = (Option.SELECTIVE, Option.LAZY)
 #: Targets (fractions of the real one) whose plans compete; see ``Solver._solve``.
 _TARGET_PORTFOLIO = (1.0, 0.96, 0.92, 0.88)
 _PRUNED_CANDIDATES = 3
@@ -213,6 +215,7 @@ class Solver:
             selective = full - self._cache_bytes(node.index, snapshot, lca)
             prices[node.index, Option.FULL] = (self.subtree_cost[node.index], full)
             prices[node.index, Option.SELECTIVE] = (self.cheap_cost[node.index], selective)
+            prices[node.index, Option.LAZY] = (self.cheap_cost[node.index], selective)
         self._prices = prices
         return prices
 
@@ -223,7 +226,7 @@ class Solver:
         if index == 0:
             return value_keep
         best_value, best_option = value_keep, Option.KEEP
-        for option in (Option.FULL, Option.SELECTIVE):
+        for option in (Option.FULL, Option.SELECTIVE, Option.LAZY):
             if (index, option) in prices:
                 cost, freed = prices[index, option]
                 if cost - lam * freed < best_value:
@@ -246,12 +249,17 @@ class Solver:
             if not node.has_events:
                 continue
             checkpointed_above = any(options[a] != Option.KEEP for a in self.ancestors[i])
+            plain_below = not self.subtree_planned(i, options)
             if options[i] == Option.KEEP:
                 moves.append((i, Option.FULL))
-                if not checkpointed_above and not self.subtree_planned(i, options):
-                    moves.append((i, Option.SELECTIVE))
+                if not checkpointed_above and plain_below:
+                    moves += [(i, Option.SELECTIVE), (i, Option.LAZY)]
             elif options[i] == Option.SELECTIVE:
+                moves += [(i, Option.FULL), (i, Option.LAZY)]  # lazy: no block-wide recompute
+            elif options[i] == Option.LAZY:
                 moves.append((i, Option.FULL))
+            elif not checkpointed_above and plain_below:  # a full block whose recompute is the peak
+                moves.append((i, Option.LAZY))
         return moves
 
     def subtree_planned(self, index: int, options: list[Option]) -> bool:
@@ -260,9 +268,9 @@ class Solver:
     def apply(self, options: list[Option], index: int, option: Option) -> list[Option]:
         new = list(options)
         new[index] = option
-        if option == Option.FULL:  # selective below a checkpoint would keep its cache alive
+        if option == Option.FULL:  # selective/lazy below a checkpoint would defeat it (see module doc)
             for j in range(index + 1, self.subtree_end[index]):
-                if new[j] == Option.SELECTIVE:
+                if new[j] in _SOFT:
                     new[j] = Option.KEEP
         return new
 
@@ -275,13 +283,11 @@ class Solver:
         scored = []
         for index, option in self.legal_moves(options):
             freed = freed_full[index] - self._kept_inputs(index, snapshot, lca)
-            if option == Option.SELECTIVE:
+            if option in _SOFT:
                 freed -= self._cache_bytes(index, snapshot, lca)
             if freed <= 0:
                 continue
-            extra = self.subtree_cost[index] if option == Option.FULL else self.cheap_cost[index]
-            if option == Option.FULL and options[index] == Option.SELECTIVE:
-                extra -= self.cheap_cost[index]
+            extra = self._cost_of(index, option) - self._cost_of(index, options[index])
             scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
         if len(self.nodes) > _LARGE_MODEL_NODES:
@@ -298,6 +304,11 @@ class Solver:
             if best is None or key > best[0]:
                 best = (key, candidate, trial)
         return None if best is None else (best[1], best[2])
+
+    def _cost_of(self, index: int, option: Option) -> float:
+        if option == Option.FULL:
+            return self.subtree_cost[index]
+        return self.cheap_cost[index] if option in _SOFT else 0.0
 
     def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
         """On large models, apply the best-ranked moves on disjoint subtrees together.
@@ -390,11 +401,11 @@ class Solver:
                 softer = [Option.KEEP]
                 outermost = not any(options[a] != Option.KEEP for a in self.ancestors[index])
                 if options[index] == Option.FULL and outermost:
-                    softer.append(Option.SELECTIVE)
+                    softer += list(_SOFT)
                 for option in softer:
                     candidate = list(options)
                     candidate[index] = option
-                    if option == Option.SELECTIVE and self.subtree_planned(index, candidate):
+                    if option in _SOFT and self.subtree_planned(index, candidate):
                         continue
                     trial = self.replay(candidate)
                     if trial.peak_bytes <= budget_bytes and trial.recompute_cost < result.recompute_cost:

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_tbp.remat.flops import flop_count
+from lightning_tbp.remat.lazy import is_recomputable
 from lightning_tbp.remat.workspace import WorkspaceCalibrator
 
 #: Relative cost of one element produced by a memory-bound op (norm, activation, add), in
@@ -70,6 +71,7 @@ class Trace:
     event_outputs: list[tuple[int, ...]] = field(default_factory=list)
     event_saves: list[list[int]] = field(default_factory=list)
     event_heavy: list[bool] = field(default_factory=list)
+    event_recomputable: list[bool] = field(default_factory=list)  # a lazy block may rebuild its outputs
     event_flops: list[int] = field(default_factory=list)
     event_cost: list[float] = field(default_factory=list)
     event_op: list[str] = field(default_factory=list)
@@ -212,6 +214,7 @@ class _Recorder(TorchDispatchMode):
         trace.event_saves.append(self.pending_saves)
         self.pending_saves = []
         trace.event_heavy.append(flops > 0)
+        trace.event_recomputable.append(is_recomputable(func))
         trace.event_flops.append(flops)
         trace.event_cost.append(float(flops) if flops > 0 else float(POINTWISE_COST_PER_ELEMENT * new_elements))
         trace.event_op.append(str(func.__name__))

@@ -69,3 +69,10 @@ def test_each_block_option_is_predicted(case, option) -> None:
     wrappers.remove()
     assert abs(measured / predicted - 1) <= 0.10
     assert measured < simulator.run([Option.KEEP] * len(trace.nodes)).peak_bytes
+
+
+def test_cpu_meter_refuses_to_nest_in_a_running_profiler() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]), pytest.raises(RuntimeError, match="already running"):
+        measure_peak(lambda: None)

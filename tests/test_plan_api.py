@@ -158,3 +158,20 @@ def test_planning_does_not_shift_the_random_stream() -> None:
     plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
     assert torch.equal(torch.rand(4), expected)
     plan.remove()
+
+
+def test_planning_inside_a_running_profiler_is_exact_and_leaves_it_running() -> None:
+    """The exact CPU meter is a profiler; under the user's one it steps aside and says so."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, args, kwargs = make_case(UNET)
+    ref_loss, ref_grads = training_step(model, UNET, args, kwargs)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with pytest.warns(UserWarning, match="profiler is running"):
+            plan = rematerialize(model, *args, memory_budget=0.6, **kwargs)
+        loss, grads = training_step(model, UNET, args, kwargs)
+        assert torch.autograd.profiler._is_profiler_enabled, "the user's profiler is still on"
+    plan.remove()
+    assert torch.equal(loss, ref_loss)
+    assert all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+    assert any("convolution" in e.name for e in prof.events())

@@ -119,3 +119,10 @@ def test_model_with_nothing_to_plan_trains_with_a_warning(data) -> None:
     with pytest.warns(NothingToPlanWarning):
         _, _, losses = fit("tiny_backprop", data, net=Flat(), max_steps=2)
     assert losses.shape == (2,)
+
+
+def test_trains_under_lightnings_pytorch_profiler(data) -> None:
+    """Planning and metering step aside for a running profiler instead of corrupting it."""
+    trainer, _, losses = fit("tiny_backprop", data, max_steps=2, profiler="pytorch")
+    assert trainer.strategy.plan.current is not None and losses.shape == (2,)
+    assert "aten::convolution" in trainer.profiler.summary()

@@ -27,8 +27,19 @@ class AllocatorPeak:
     """Net allocation left when the region ended (what it kept alive)."""
 
 
+def profiler_active() -> bool:
+    """Whether a torch profiler is running: the exact CPU meter cannot nest inside one."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
 @contextlib.contextmanager
 def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
+    if profiler_active():
+        # A nested session would switch the user's profiler off when it ends and mix the events.
+        raise RuntimeError(
+            "exact CPU memory measurement runs torch.profiler, and a profiler is already running; "
+            "measure outside it (or on CUDA, whose allocator keeps its own statistics)"
+        )
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield
     events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]

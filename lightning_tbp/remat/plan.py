@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator
@@ -112,9 +112,10 @@ class Plan:
             shape_plan = self._solve(signature, args, kwargs)
             self.shape_plans[signature] = shape_plan
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
-            if self.measure and self._meter is None and self._comparable_step():
+            device = _device_of(self.module, args, kwargs)
+            if self.measure and self._meter is None and self._comparable_step() and _can_meter(device):
                 self._meter = contextlib.ExitStack()
-                self._meter_result = self._meter.enter_context(allocator_peak(_device_of(self.module, args, kwargs)))
+                self._meter_result = self._meter.enter_context(allocator_peak(device))
         self._activate(shape_plan)
         return shape_plan
 
@@ -287,6 +288,11 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({type(self.module).__name__}, budget={self.budget.describe()}, shapes={len(self.shape_plans)})"
+
+
+def _can_meter(device: torch.device) -> bool:
+    """CUDA always; CPU unless a profiler is running (the exact CPU meter is one)."""
+    return device.type == "cuda" or (device.type == "cpu" and not profiler_active())
 
 
 def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:

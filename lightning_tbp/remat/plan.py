@@ -65,6 +65,7 @@ class ShapePlan:
     naive: SimResult
     planned: SimResult
     forward_flops: int
+    forward_ns: float  # sum of the calibrated op times of one forward
     parameter_grad_bytes: int
     blocks: list[BlockDecision] = field(default_factory=list)
     edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
@@ -76,6 +77,11 @@ class ShapePlan:
     @property
     def predicted_peak_bytes(self) -> int:
         return self.planned.peak_bytes
+
+    @property
+    def recompute_time_ratio(self) -> float:
+        """Predicted extra time over an estimated training step (forward + 2x forward backward)."""
+        return self.planned.recompute_cost / max(3 * self.forward_ns, 1.0)
 
     @property
     def recompute_flop_ratio(self) -> float:
@@ -183,6 +189,7 @@ class Plan:
             naive=naive,
             planned=planned,
             forward_flops=sum(trace.event_flops),
+            forward_ns=sum(trace.event_cost),
             parameter_grad_bytes=trace.parameter_grad_bytes,
             blocks=_block_table(trace, simulator, options, planned),
             edges=trace.block_edges(),
@@ -245,7 +252,8 @@ class Plan:
                 else []
             ),
             f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a "
-            f"training step (est.); profiled in {sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s",
+            f"training step's FLOPs, about {sp.recompute_time_ratio:.3f} of its time (est.); "
+            f"profiled in {sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s",
         ]
         return "\n".join(lines)
 
@@ -264,7 +272,8 @@ class Plan:
             "parameter_grad_bytes": sp.parameter_grad_bytes,
             "forward_flops": sp.forward_flops,
             "predicted_recompute_flops": sp.planned.recompute_flops,
-            "predicted_recompute_cost": sp.planned.recompute_cost,
+            "predicted_recompute_ns": sp.planned.recompute_cost,
+            "recompute_time_ratio_of_step": sp.recompute_time_ratio,
             "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
             "profile_seconds": sp.profile_seconds,
             "solve_seconds": sp.solve_seconds,

@@ -333,8 +333,10 @@ class _Replay:
                     remap[sid] = new
                     sid = new
                 self.allocate(sid)
+            lazy = sim.lazy_block(trace.event_node[event], options) if ctx < 0 and not recompute else -1
+            if selective_recompute or lazy >= 0 or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
+                self.recompute_cost += trace.dispatch_overhead_ns  # the op passes a Python dispatch mode
             if ctx < 0:
-                lazy = sim.lazy_block(trace.event_node[event], options) if not recompute else -1
                 if lazy < 0:
                     self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
                 else:

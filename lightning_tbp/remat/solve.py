@@ -44,8 +44,8 @@ _MAX_PRUNE_PASSES = 4
 #: Above this many blocks, the greedy applies moves in batches and only the cheapest candidate is
 #: pruned, in one pass (planning stays within seconds for hundreds of blocks).
 _LARGE_MODEL_NODES = 64
-#: Prices per byte swept by the Lagrangian start, in cost units (FLOP-equivalents) per byte.
-_LAMBDAS = tuple(10 ** (k / 8) for k in range(-16, 41))
+#: Prices per byte swept by the Lagrangian start, in cost units (nanoseconds) per byte.
+_LAMBDAS = tuple(10 ** (k / 8) for k in range(-40, 33))
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
 #: allocator peaks within a few percent, and the budget is a promise about the measured peak.
 PLANNING_MARGIN = 0.05
@@ -88,12 +88,14 @@ class Solver:
         self.subtree_cost = [0.0] * n
         self.cheap_cost = [0.0] * n
         self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
+        self.event_count = [0] * n
         for node in self.nodes:
             if not node.has_events:
                 continue
             events = range(node.first_event, node.last_event + 1)
             self.subtree_cost[node.index] = sum(trace.event_cost[e] for e in events)
             self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_heavy[e])
+            self.event_count[node.index] = len(events)
             self.heavy_outputs[node.index] = [s for e in events if trace.event_heavy[e] for s in trace.event_outputs[e]]
         self.ancestors: list[list[int]] = []
         for node in self.nodes:
@@ -213,9 +215,9 @@ class Solver:
                 continue
             full = freed_full[node.index] - self._kept_inputs(node.index, snapshot, lca)
             selective = full - self._cache_bytes(node.index, snapshot, lca)
-            prices[node.index, Option.FULL] = (self.subtree_cost[node.index], full)
-            prices[node.index, Option.SELECTIVE] = (self.cheap_cost[node.index], selective)
-            prices[node.index, Option.LAZY] = (self.cheap_cost[node.index], selective)
+            prices[node.index, Option.FULL] = (self._cost_of(node.index, Option.FULL), full)
+            prices[node.index, Option.SELECTIVE] = (self._cost_of(node.index, Option.SELECTIVE), selective)
+            prices[node.index, Option.LAZY] = (self._cost_of(node.index, Option.LAZY), selective)
         self._prices = prices
         return prices
 
@@ -306,9 +308,13 @@ class Solver:
         return None if best is None else (best[1], best[2])
 
     def _cost_of(self, index: int, option: Option) -> float:
+        """Estimated extra time of ``option`` on block ``index`` (selective: dispatch in forward and recompute)."""
         if option == Option.FULL:
             return self.subtree_cost[index]
-        return self.cheap_cost[index] if option in _SOFT else 0.0
+        dispatched = self.event_count[index] * self.sim.trace.dispatch_overhead_ns
+        if option == Option.SELECTIVE:
+            return self.cheap_cost[index] + 2 * dispatched
+        return self.cheap_cost[index] + dispatched if option == Option.LAZY else 0.0
 
     def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
         """On large models, apply the best-ranked moves on disjoint subtrees together.

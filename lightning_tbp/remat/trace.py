@@ -8,7 +8,8 @@ costs. Meanwhile a ``TorchDispatchMode`` sees every aten op below autograd and r
 * the storages each op creates (views and in-place results are resolved to the storage they
   alias, so a saved view counts the bytes it really keeps alive),
 * which storages autograd *would* have saved, attributed to the op that saved them,
-* the op's FLOPs (torch's FLOP formulas) and whether it is "heavy" (matmul/conv/attention),
+* the op's FLOPs (torch's FLOP formulas) and whether it is "heavy" (matmul/conv/attention);
+  after the pass each distinct op is timed alone (``calibrate.py``): that time is its cost,
 * the candidate module (block) that was running, and the tensors entering and leaving it.
 
 The simulator replays this trace under any plan, so the trace is all the planner needs.
@@ -26,14 +27,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
-from lightning_tbp.remat.workspace import WorkspaceCalibrator
-
-#: Relative cost of one element produced by a memory-bound op (norm, activation, add), in
-#: FLOP-equivalents. It only ranks cheap recomputation against matmul/conv recomputation;
-#: reported FLOP ratios count real FLOPs alone.
-POINTWISE_COST_PER_ELEMENT = 8
 
 
 @dataclass
@@ -73,13 +69,14 @@ class Trace:
     event_heavy: list[bool] = field(default_factory=list)
     event_recomputable: list[bool] = field(default_factory=list)  # a lazy block may rebuild its outputs
     event_flops: list[int] = field(default_factory=list)
-    event_cost: list[float] = field(default_factory=list)
+    event_cost: list[float] = field(default_factory=list)  # measured forward time, ns
     event_op: list[str] = field(default_factory=list)
     event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
     event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
     nodes: list[Node] = field(default_factory=list)
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
+    dispatch_overhead_ns: float = 0.0  # added to every op run under a Python dispatch mode
 
     @property
     def num_events(self) -> int:
@@ -141,7 +138,7 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, trace: Trace, node_stack: list[int]) -> None:
         super().__init__()
         self.trace = trace
-        self.calibrator = WorkspaceCalibrator()
+        self.calibrator = OpCalibrator()
         self.recording = True
         self.node_stack = node_stack
         self.key_to_sid: dict[int, int] = {}
@@ -205,9 +202,8 @@ class _Recorder(TorchDispatchMode):
             outputs.append(sid)
             new_elements += tensor.numel()
         flops = flop_count(func, args, kwargs, out)
-        if flops > 0 and grad_flows:
-            needs_grad = [bool(trace.storage_needs_grad[self.sid_of(t)]) for t in _tensors((args, kwargs))]
-            self.calibrator.note(event, func, args, kwargs, needs_grad)
+        needs_grad = [bool(trace.storage_needs_grad[self.sid_of(t)]) for t in _tensors((args, kwargs))]
+        self.calibrator.note(event, func, args, kwargs, needs_grad, workspace=flops > 0 and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
         trace.event_outputs.append(tuple(outputs))
@@ -216,7 +212,7 @@ class _Recorder(TorchDispatchMode):
         trace.event_heavy.append(flops > 0)
         trace.event_recomputable.append(is_recomputable(func))
         trace.event_flops.append(flops)
-        trace.event_cost.append(float(flops) if flops > 0 else float(POINTWISE_COST_PER_ELEMENT * new_elements))
+        trace.event_cost.append(0.0)  # measured after the forward
         trace.event_op.append(str(func.__name__))
         return out
 
@@ -332,7 +328,8 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
             recorder.recording = False  # what dies now dies with the forward's result
             del output
         with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
-            workspaces = recorder.calibrator.measure()
+            workspaces = recorder.calibrator.measure_workspaces()
+            times = recorder.calibrator.measure_times()
     finally:
         for handle in handles:
             handle.remove()
@@ -342,6 +339,9 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
     for event, (forward, backward) in workspaces.items():
         trace.event_forward_workspace[event] = forward
         trace.event_workspace[event] = backward
+    for event, nanoseconds in times.items():
+        trace.event_cost[event] = nanoseconds
+    trace.dispatch_overhead_ns = dispatch_overhead_ns(devices[0] if devices else torch.device("cpu"))
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:
         _drop_repeated(trace, repeated)

@@ -1,0 +1,184 @@
+"""Per-op calibration, measured rather than guessed: time, and workspace of heavy ops.
+
+**Time.** The planner minimises recomputation *time*. FLOPs mislead: on a CPU a group norm over
+a 64x64 map can cost as much as the small convolution next to it. Each distinct (op, shapes,
+dtypes, arguments) of the trace is run on its own, without gradients, and timed (best of a few
+runs; CUDA synchronised). ``dispatch_overhead_ns`` measures once per device what a Python
+dispatch mode adds to every op, which selective and lazy blocks pay.
+
+**Workspace.**
+
+Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
+layout reorders on CPU, cuDNN/cuBLAS workspaces on CUDA), in the forward (and so in every
+recomputation) and in the backward. They sit on top of whatever is live at that moment, so the
+simulator must know them. Each distinct (op, shapes, dtypes, arguments) is run once on its own
+under the exact allocator meter: the forward workspace is the forward peak minus the outputs,
+the backward workspace the backward peak minus the gradients it leaves behind. One op at a time
+keeps this memory-safe.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_tbp.memory.meters import allocator_peak, measure_peak, profiler_active
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+    needs_grad: bool
+
+    def materialise(self) -> torch.Tensor:
+        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        if self.dtype.is_floating_point:
+            tensor.normal_()
+        else:
+            tensor.zero_()
+        return tensor.requires_grad_(self.needs_grad)
+
+
+class OpCalibrator:
+    """Collects the ops of a trace and measures their time (all) and workspace (heavy ones)."""
+
+    def __init__(self) -> None:
+        self._specs: dict[tuple, tuple[Any, tuple, dict]] = {}
+        self.event_keys: dict[int, tuple] = {}
+        self._workspace_keys: set[tuple] = set()
+
+    def note(self, event: int, func: Any, args: tuple, kwargs: dict, needs_grad: list[bool], workspace: bool) -> None:
+        """Remember the op of ``event``; ``needs_grad`` flags which tensor arguments need gradients;
+        ``workspace``: also measure its forward/backward workspace."""
+        flags = iter(needs_grad)
+
+        def describe(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor):
+                return x
+            grad = next(flags) and x.is_floating_point()
+            return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.device, grad)
+
+        spec = tree_map(describe, (args, kwargs))
+        key = (func, *tree_flatten(spec)[0])
+        self._specs.setdefault(key, (func, *spec))
+        self.event_keys[event] = key
+        if workspace:
+            self._workspace_keys.add(key)
+
+    def measure_times(self) -> dict[int, float]:
+        """Forward nanoseconds per noted event."""
+        per_key = {key: _time_op(*spec) for key, spec in self._specs.items()}
+        return {event: per_key[key] for event, key in self.event_keys.items()}
+
+    def measure_workspaces(self) -> dict[int, tuple[int, int]]:
+        """(forward, backward) workspace bytes per heavy event (none under a running profiler)."""
+        specs = {key: self._specs[key] for key in self._workspace_keys}
+        if profiler_active() and any(_device_of(spec).type == "cpu" for spec in specs.values()):
+            warnings.warn(
+                "lightning_tbp: a torch profiler is running, so op workspaces cannot be measured on CPU; "
+                "plans made now predict peaks a few percent low (plan outside the profiler to avoid this)",
+                stacklevel=4,
+            )
+            return {}
+        per_key = {key: _measure_one(*spec) for key, spec in specs.items()}
+        return {event: per_key[key] for event, key in self.event_keys.items() if key in per_key}
+
+
+_TIMING_RUNS = 3
+
+
+def _synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(func: Any, spec_args: tuple, spec_kwargs: dict) -> float:
+    """Best-of-``_TIMING_RUNS`` forward time of one op in nanoseconds (0 if it cannot run alone)."""
+    device = _device_of((func, spec_args, spec_kwargs))
+    args, kwargs = tree_map(
+        lambda x: x.materialise().detach() if isinstance(x, _TensorSpec) else x,
+        (spec_args, spec_kwargs),
+        is_leaf=lambda x: isinstance(x, _TensorSpec),
+    )
+    best = float("inf")
+    with torch.no_grad():
+        try:
+            func(*args, **kwargs)  # warm-up (allocator, kernel selection)
+            for _ in range(_TIMING_RUNS):
+                _synchronise(device)
+                start = time.perf_counter_ns()
+                func(*args, **kwargs)
+                _synchronise(device)
+                best = min(best, time.perf_counter_ns() - start)
+        except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data
+            return 0.0
+    return float(best)
+
+
+class _NoOpMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        return func(*args, **(kwargs or {}))
+
+
+_DISPATCH_OVERHEAD: dict[str, float] = {}
+
+
+def dispatch_overhead_ns(device: torch.device) -> float:
+    """What routing one op through a Python dispatch mode adds, in ns (measured once per device type)."""
+    if device.type not in _DISPATCH_OVERHEAD:
+        x = torch.ones(16, device=device)
+        runs = 2000
+
+        def loop() -> int:
+            _synchronise(device)
+            start = time.perf_counter_ns()
+            for _ in range(runs):
+                torch.add(x, x)
+            _synchronise(device)
+            return time.perf_counter_ns() - start
+
+        loop()
+        plain = min(loop() for _ in range(3))
+        with _NoOpMode():
+            moded = min(loop() for _ in range(3))
+        _DISPATCH_OVERHEAD[device.type] = max(0.0, (moded - plain) / runs)
+    return _DISPATCH_OVERHEAD[device.type]
+
+
+def _device_of(spec: tuple) -> torch.device:
+    tensors = [x for x in tree_flatten(spec[1:])[0] if isinstance(x, _TensorSpec)]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
+def _measure_one(func: Any, spec_args: tuple, spec_kwargs: dict) -> tuple[int, int]:
+    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
+    device = specs[0].device
+    if not any(x.needs_grad for x in specs) or device.type not in ("cpu", "cuda"):
+        return 0, 0
+    args, kwargs = tree_map(
+        lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
+        (spec_args, spec_kwargs),
+        is_leaf=lambda x: isinstance(x, _TensorSpec),
+    )
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+    result: list[Any] = []
+    with torch.enable_grad(), allocator_peak(device) as forward:
+        result.append(func(*args, **kwargs))
+    outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
+    forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
+    outs = [o for o in outs if o.requires_grad]
+    if not outs:
+        return forward_workspace, 0
+    grads_out = [torch.randn_like(o) for o in outs]
+    grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
+    peak = measure_peak(lambda: torch.autograd.backward(outs, grads_out), device).peak_bytes
+    return forward_workspace, max(0, peak - grad_bytes)

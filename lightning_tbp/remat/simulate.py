@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.trace import Trace
 
 #: Ops whose backward hands each input a slice *view* of the output gradient: an input's
@@ -43,9 +44,6 @@ _SLICING_BACKWARD = ("cat.",)
 _CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
 #: Ops whose backward passes the output gradient on without allocating a new tensor.
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
-
-
-_LAZY_MIN_BYTES = 16 * 1024  # lazy.MIN_LAZY_BYTES
 
 
 class Option(IntEnum):
@@ -277,7 +275,7 @@ class _Replay:
         """Hold the recipe leaves of ``event``'s saves; note what its backward must rebuild."""
         held: list[int] = []
         for sid in self.trace.event_saves[event]:
-            if self.sim.sizes[sid] < _LAZY_MIN_BYTES:
+            if self.sim.sizes[sid] < MIN_LAZY_BYTES:
                 held += self.hold([sid])
                 continue
             leaves, rebuild, cost = self.sim.lazy_leaves(sid, block)

@@ -2,13 +2,12 @@
 
 **Time.** The planner minimises recomputation *time*. FLOPs mislead: on a CPU a group norm over
 a 64x64 map can cost as much as the small convolution next to it. Each distinct (op, shapes,
-dtypes, arguments) of the trace is run on its own, without gradients, and timed (best of a few
-runs; CUDA synchronised). ``dispatch_overhead_ns`` measures once per device what a Python
-dispatch mode adds to every op, which selective and lazy blocks pay.
+dtypes, arguments) of the trace is run on its own, without gradients, and timed (best of two
+runs after a warm-up; CUDA synchronised); pure views cost nothing and are not run.
+``dispatch_overhead_ns`` measures once per device what a Python dispatch mode adds to every op,
+which selective and lazy blocks pay.
 
-**Workspace.**
-
-Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
+**Workspace.** Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
 layout reorders on CPU, cuDNN/cuBLAS workspaces on CUDA), in the forward (and so in every
 recomputation) and in the backward. They sit on top of whatever is live at that moment, so the
 simulator must know them. Each distinct (op, shapes, dtypes, arguments) is run once on its own
@@ -55,10 +54,12 @@ class OpCalibrator:
         self._specs: dict[tuple, tuple[Any, tuple, dict]] = {}
         self.event_keys: dict[int, tuple] = {}
         self._workspace_keys: set[tuple] = set()
+        self._timed_keys: set[tuple] = set()
 
     def note(self, event: int, func: Any, args: tuple, kwargs: dict, needs_grad: list[bool], workspace: bool) -> None:
         """Remember the op of ``event``; ``needs_grad`` flags which tensor arguments need gradients;
-        ``workspace``: also measure its forward/backward workspace."""
+        ``workspace``: also measure its forward/backward workspace. Pure views are not timed:
+        they only make metadata."""
         flags = iter(needs_grad)
 
         def describe(x: Any) -> Any:
@@ -73,11 +74,13 @@ class OpCalibrator:
         self.event_keys[event] = key
         if workspace:
             self._workspace_keys.add(key)
+        if not _is_view(func):
+            self._timed_keys.add(key)
 
     def measure_times(self) -> dict[int, float]:
-        """Forward nanoseconds per noted event."""
-        per_key = {key: _time_op(*spec) for key, spec in self._specs.items()}
-        return {event: per_key[key] for event, key in self.event_keys.items()}
+        """Forward nanoseconds per noted event (0 for views)."""
+        per_key = {key: _time_op(*self._specs[key]) for key in self._timed_keys}
+        return {event: per_key.get(key, 0.0) for event, key in self.event_keys.items()}
 
     def measure_workspaces(self) -> dict[int, tuple[int, int]]:
         """(forward, backward) workspace bytes per heavy event (none under a running profiler)."""
@@ -93,7 +96,13 @@ class OpCalibrator:
         return {event: per_key[key] for event, key in self.event_keys.items() if key in per_key}
 
 
-_TIMING_RUNS = 3
+_TIMING_RUNS = 2
+
+
+def _is_view(func: Any) -> bool:
+    """An op whose outputs alias an input without writing to it (view, transpose, expand, ...)."""
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _synchronise(device: torch.device) -> None:

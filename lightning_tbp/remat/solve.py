@@ -111,6 +111,7 @@ class Solver:
                 self.subtree_end[node.parent] = max(self.subtree_end[node.parent], self.subtree_end[node.index])
         self.replays = 0
         self._prices: dict[tuple[int, Option], tuple[float, float]] | None = None
+        self._memo: dict[tuple[Option, ...], SimResult] = {}
         self._naive: SimResult | None = None
 
     # -- public -----------------------------------------------------------------------------------
@@ -248,8 +249,16 @@ class Solver:
 
     # -- search ---------------------------------------------------------------------------------
     def replay(self, options: list[Option], capture_step: int = -1) -> SimResult:
-        self.replays += 1
-        return self.sim.run(options, capture_step)
+        """Replay a plan; the searches revisit plans often, so plain replays are memoised."""
+        if capture_step >= 0:
+            self.replays += 1
+            return self.sim.run(options, capture_step)
+        key = tuple(options)
+        result = self._memo.get(key)
+        if result is None:
+            self.replays += 1
+            result = self._memo[key] = self.sim.run(options)
+        return result
 
     def legal_moves(self, options: list[Option]) -> list[tuple[int, Option]]:
         moves = []

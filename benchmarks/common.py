@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -79,25 +76,3 @@ def measure_step(
         times.append(time.perf_counter() - start)
     diff = max_rel_diff(grads, reference_grads) if reference_grads is not None else None
     return StepMeasurement(peak, flops, statistics.median(times), diff)
-
-
-def machine_info() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    info = {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "git_commit": commit,
-    }
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info
 from remat_pareto import build
 
+from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.trace import record_trace

@@ -30,9 +30,10 @@ from diffusers import UNet2DModel
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import StepMeasurement, grads_of, machine_info, measure_step
+from common import StepMeasurement, grads_of, measure_step
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
+from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.simulate import Option
 

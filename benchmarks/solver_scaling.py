@@ -20,8 +20,7 @@ from diffusers import DiTTransformer2DModel
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_info
-
+from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
 from lightning_tbp.remat.trace import record_trace

@@ -1,12 +1,21 @@
 """lightning-tbp: train and fine-tune diffusion models in far less memory with PyTorch Lightning.
 
-``import lightning_tbp`` registers the ``"tiny_backprop"`` strategy with Lightning.
+``import lightning_tbp`` registers the ``"tiny_backprop"`` strategy with Lightning;
+``MemoryProfilerCallback`` reports where a training step's memory goes.
 """
 
+from lightning_tbp.callbacks import MemoryProfilerCallback
 from lightning_tbp.remat import InfeasibleBudgetError, NothingToPlanWarning, Plan, rematerialize
 from lightning_tbp.strategies import TinyBackpropStrategy, register_strategies
 
 register_strategies()
 
-__all__ = ["InfeasibleBudgetError", "NothingToPlanWarning", "Plan", "TinyBackpropStrategy", "rematerialize"]
+__all__ = [
+    "InfeasibleBudgetError",
+    "MemoryProfilerCallback",
+    "NothingToPlanWarning",
+    "Plan",
+    "TinyBackpropStrategy",
+    "rematerialize",
+]
 __version__ = "0.1.0"

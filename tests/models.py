@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import lightning as L
 import torch
 from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from torch import nn
@@ -142,3 +143,27 @@ def feasible_range(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, in
     except InfeasibleBudgetError as error:
         return error.minimum_budget_bytes, error.naive_bytes
     raise AssertionError("a 1-byte budget cannot be feasible")
+
+
+class Denoiser(L.LightningModule):
+    """A tiny U-Net denoiser trained with Adam: the LightningModule of the strategy and callback tests."""
+
+    def __init__(self, net: nn.Module | None = None) -> None:
+        super().__init__()
+        self.net = net if net is not None else tiny_unet()
+        self.head = nn.Identity()
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        out = self.net(x, t)
+        return out.sample if hasattr(out, "sample") else out
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        t = torch.arange(x.shape[0]) * 97 % 1000
+        noise = torch.randn_like(x)
+        loss = (self(x + noise, t) - noise).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)

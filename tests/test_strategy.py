@@ -5,34 +5,12 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
-from models import tiny_unet
+from models import Denoiser
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_tbp
 from lightning_tbp import NothingToPlanWarning, TinyBackpropStrategy
-
-
-class Denoiser(L.LightningModule):
-    def __init__(self, net: nn.Module | None = None) -> None:
-        super().__init__()
-        self.net = net if net is not None else tiny_unet()
-        self.head = nn.Identity()
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        out = self.net(x, t)
-        return out.sample if hasattr(out, "sample") else out
-
-    def training_step(self, batch, batch_idx):
-        (x,) = batch
-        t = torch.arange(x.shape[0]) * 97 % 1000
-        noise = torch.randn_like(x)
-        loss = (self(x + noise, t) - noise).pow(2).mean()
-        self.log("loss", loss)
-        return loss
-
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
 
 
 class Losses(Callback):

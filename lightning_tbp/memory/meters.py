@@ -9,8 +9,9 @@ CUDA: the caching allocator's own ``max_memory_allocated`` after a peak reset.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._C._autograd import DeviceType
@@ -32,23 +33,31 @@ def profiler_active() -> bool:
     return bool(torch.autograd.profiler._is_profiler_enabled)
 
 
-@contextlib.contextmanager
-def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
+def cpu_memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:
+    """``(time_ns, signed bytes)`` of the CPU allocator's events in a profiler trace, in time order."""
+    memory = [
+        (e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]" and e.device_type() == DeviceType.CPU
+    ]
+    return sorted(memory, key=lambda event: event[0])  # stable: same-time events keep their order
+
+
+def refuse_nested_profiler() -> None:
+    """The exact CPU meter is a profiler session; a nested one would switch the running one off."""
     if profiler_active():
-        # A nested session would switch the user's profiler off when it ends and mix the events.
         raise RuntimeError(
             "exact CPU memory measurement runs torch.profiler, and a profiler is already running; "
             "measure outside it (or on CUDA, whose allocator keeps its own statistics)"
         )
+
+
+@contextlib.contextmanager
+def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
+    refuse_nested_profiler()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         yield
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
     current = peak = 0
-    for event in events:
-        if event.device_type() != DeviceType.CPU:
-            continue
-        current += event.nbytes()
+    for _, nbytes in cpu_memory_events(prof.profiler.kineto_results.events()):
+        current += nbytes
         peak = max(peak, current)
     result.peak_bytes, result.net_bytes = peak, current
 

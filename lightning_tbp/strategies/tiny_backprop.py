@@ -109,6 +109,15 @@ class TinyBackpropStrategy(SingleDeviceStrategy):
                 f"({measured.measured_peak_bytes / measured.predicted_peak_bytes:.3f}x)"
             )
 
+    def memory_report_config(self) -> dict[str, Any]:
+        """What ``MemoryProfilerCallback`` records about this strategy: the plan in force."""
+        if self.plan is None or self.plan.current is None:
+            return {"plan": None}
+        summary = self.plan.to_dict()
+        for detail in ("blocks", "edges", "signature"):
+            summary.pop(detail)
+        return {"plan": summary}
+
     def teardown(self) -> None:
         if self.plan is not None:
             self.plan.remove()  # the module is restored; the plan object stays for its reports

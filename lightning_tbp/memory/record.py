@@ -1,0 +1,167 @@
+"""The run record: one JSON file per process with a run's memory snapshots, breakdown and timing.
+
+Written by :class:`~lightning_tbp.callbacks.MemoryProfilerCallback` and by the benchmarks, read
+by :mod:`lightning_tbp.memory.report`. Sizes are MiB (2**20 bytes) in fields named ``*_mb``.
+
+Top-level keys: ``experiment``, ``config``, ``peak_memory_mb``, ``avg_time_ms``, ``breakdown``,
+``snapshots``, plus ``schema_version``, ``rank``, ``world_size``, ``device``, ``meter``,
+``median_time_ms``, ``timed_steps``, ``timing_includes_meter`` (the times are of metered
+batches, slowed by the CPU meter's profiler), ``machine``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from lightning_tbp.environment import machine_info
+from lightning_tbp.memory.breakdown import Breakdown
+
+SCHEMA_VERSION = 1
+STAGES = ("batch_start", "after_forward", "after_backward", "after_step")
+"""The points of a training batch that MemoryProfilerCallback meters, in order."""
+REQUIRED_KEYS = ("experiment", "config", "peak_memory_mb", "avg_time_ms", "breakdown", "snapshots")
+BREAKDOWN_KEYS = tuple(f"{f.name}_mb" for f in fields(Breakdown))
+
+
+@dataclass
+class Snapshot:
+    """Memory when one stage of one sampled training batch ended."""
+
+    step: int
+    """Index of the training batch (micro-batches count separately under accumulation)."""
+    global_step: int
+    """Optimizer steps taken so far (Lightning's ``trainer.global_step``)."""
+    stage: str
+    time_s: float
+    """Seconds since fit started."""
+    current_bytes: int
+    peak_bytes: int
+    """Highest allocation since the previous stage of the same batch."""
+    rss_bytes: int
+    reserved_bytes: int | None
+    peak_reserved_bytes: int | None
+    breakdown: Breakdown
+
+    def to_dict(self) -> dict[str, Any]:
+        def mib(value: int | None) -> float | None:
+            return None if value is None else value / 2**20
+
+        return {
+            "step": self.step,
+            "global_step": self.global_step,
+            "stage": self.stage,
+            "time_s": self.time_s,
+            "current_mb": mib(self.current_bytes),
+            "peak_mb": mib(self.peak_bytes),
+            "reserved_mb": mib(self.reserved_bytes),
+            "peak_reserved_mb": mib(self.peak_reserved_bytes),
+            "rss_mb": mib(self.rss_bytes),
+            "breakdown": self.breakdown.as_mib(),
+        }
+
+
+def highest_step(snapshots: list[Snapshot]) -> list[Snapshot]:
+    """The snapshots of the sampled batch whose peak is highest."""
+    if not snapshots:
+        return []
+    top = max(snapshots, key=lambda s: s.peak_bytes).step
+    return [s for s in snapshots if s.step == top]
+
+
+def high_water_breakdown(step_snapshots: list[Snapshot]) -> Breakdown:
+    """Per category, its largest value over the stages of one step.
+
+    What each part of training needs at most; the parts were not necessarily all live at the
+    same moment (gradients peak after the backward, activations after the forward).
+    """
+    return Breakdown(**{f.name: max(getattr(s.breakdown, f.name) for s in step_snapshots) for f in fields(Breakdown)})
+
+
+def build_run_record(
+    *,
+    experiment: str,
+    config: dict[str, Any],
+    snapshots: list[Snapshot],
+    step_times_s: list[float],
+    device: str,
+    meter: str,
+    rank: int = 0,
+    world_size: int = 1,
+    timing_includes_meter: bool = False,
+) -> dict[str, Any]:
+    """The JSON-able record of one process's run (see the module docstring for the keys)."""
+    top = highest_step(snapshots)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "experiment": experiment,
+        "rank": rank,
+        "world_size": world_size,
+        "device": device,
+        "meter": meter,
+        "config": config,
+        "peak_memory_mb": max((s.peak_bytes for s in snapshots), default=0) / 2**20,
+        "avg_time_ms": statistics.fmean(step_times_s) * 1e3 if step_times_s else None,
+        "median_time_ms": statistics.median(step_times_s) * 1e3 if step_times_s else None,
+        "timed_steps": len(step_times_s),
+        "timing_includes_meter": timing_includes_meter,
+        "breakdown": high_water_breakdown(top).as_mib() if top else Breakdown().as_mib(),
+        "snapshots": [s.to_dict() for s in snapshots],
+        "machine": machine_info(),
+    }
+
+
+def write_run_record(record: dict[str, Any], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2))
+    return path
+
+
+def load_run_record(path: str | Path) -> dict[str, Any]:
+    """Read a run record, refusing files that lack the keys the report needs."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"run record {path} does not exist")
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON: {error}") from error
+    missing = [key for key in REQUIRED_KEYS if key not in record] if isinstance(record, dict) else list(REQUIRED_KEYS)
+    if missing:
+        raise ValueError(
+            f"{path} is not a run record: missing {', '.join(missing)} (expected {', '.join(REQUIRED_KEYS)})"
+        )
+    return record
+
+
+def format_stage_table(record: dict[str, Any]) -> str:
+    """A readable table of the highest sampled step, stage by stage, with the run's totals."""
+    snapshots = record["snapshots"]
+    lines = [f"memory report: {record['experiment']} (rank {record.get('rank', 0)}, {record.get('meter', '?')})"]
+    if not snapshots:
+        lines.append("  no step was sampled (fewer training batches than warmup_steps + 1?)")
+        return "\n".join(lines)
+    top = max(snapshots, key=lambda s: s["peak_mb"])["step"]
+    header = ["stage", "current", "peak", *(key.removesuffix("_mb") for key in BREAKDOWN_KEYS)]
+    rows = [
+        [s["stage"], s["current_mb"], s["peak_mb"], *(s["breakdown"][key] for key in BREAKDOWN_KEYS)]
+        for s in snapshots
+        if s["step"] == top
+    ]
+    widths = [max(len(header[0]), *(len(r[0]) for r in rows)), *(max(len(h), 9) for h in header[1:])]
+    lines.append(f"  batch {top}, MiB:")
+    lines.append(
+        "  " + "  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(header, widths, strict=True)))
+    )
+    for row in rows:
+        cells = [row[0].ljust(widths[0]), *(f"{v:{w}.2f}" for v, w in zip(row[1:], widths[1:], strict=True))]
+        lines.append("  " + "  ".join(cells))
+    time = record.get("avg_time_ms")
+    lines.append(
+        f"  peak {record['peak_memory_mb']:.2f} MiB over {len({s['step'] for s in snapshots})} sampled batches; "
+        + (f"step time {time:.1f} ms (mean of {record['timed_steps']} steps)" if time is not None else "no timed steps")
+    )
+    return "\n".join(lines)

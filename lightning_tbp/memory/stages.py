@@ -1,0 +1,204 @@
+"""Memory readings at named points of a training step: current and peak since the previous point.
+
+One interface, :class:`StageMeter`, chosen by device with :func:`stage_meter_for`:
+
+- CUDA reads the caching allocator's statistics at each mark (allocated and reserved, current
+  and peak) and resets the peak counters, so each stage's peak is its own. Values are absolute.
+- CPU has no allocator counters. A step is run inside one ``torch.profiler`` session with
+  memory events; each mark is a zero-length ``record_function`` range, and replaying the
+  allocation events between marks in time order gives each stage's exact current and peak.
+  Values are relative to the first mark; readings exist only after :meth:`end`. The profiler
+  sees the free of a block only if the block was allocated under a profiler, so the session
+  should begin a little before the first mark (``needs_preroll``): the callback starts it one
+  training batch early, which makes the previous step's gradients and outputs visible when
+  they are freed.
+
+Both also read the process's resident set size through psutil at each mark.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import psutil
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from lightning_tbp.memory.meters import cpu_memory_events, refuse_nested_profiler
+
+_MARK_PREFIX = "tbp::stage::"
+
+
+@dataclass
+class StageReading:
+    """Allocator state when a stage ended."""
+
+    stage: str
+    current_bytes: int
+    """Bytes allocated at the mark (relative to ``begin`` where the meter is not absolute)."""
+    peak_bytes: int
+    """Highest allocation since the previous mark (or since ``begin``), same reference."""
+    rss_bytes: int
+    """Resident set size of the whole process at the mark."""
+    reserved_bytes: int | None = None
+    """CUDA only: bytes the caching allocator holds from the driver."""
+    peak_reserved_bytes: int | None = None
+
+
+def process_rss_bytes() -> int:
+    return psutil.Process().memory_info().rss
+
+
+class StageMeter(ABC):
+    """Marks stages of one region (a training step): ``begin``, ``mark`` per stage, ``end``."""
+
+    name: str
+    absolute: bool
+    """Whether readings count every allocated byte (CUDA) or only those since the first mark (CPU)."""
+    needs_preroll: bool
+    """Whether ``begin`` should come well before the first mark (see the module docstring)."""
+
+    @property
+    @abstractmethod
+    def active(self) -> bool:
+        """Between ``begin`` and ``end``/``abort``."""
+
+    @abstractmethod
+    def begin(self) -> None: ...
+
+    @abstractmethod
+    def mark(self, stage: str) -> None: ...
+
+    @abstractmethod
+    def end(self) -> list[StageReading]:
+        """Close the region and return one reading per mark, in order."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Close the region without readings (the step raised)."""
+
+
+class CudaStageMeter(StageMeter):
+    name = "cuda_caching_allocator"
+    absolute = True
+    needs_preroll = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._readings: list[StageReading] = []
+        self._active = False
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    def begin(self) -> None:
+        self._readings = []
+        self._active = True
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def mark(self, stage: str) -> None:
+        stats = torch.cuda.memory_stats(self.device)
+        self._readings.append(
+            StageReading(
+                stage=stage,
+                current_bytes=stats["allocated_bytes.all.current"],
+                peak_bytes=stats["allocated_bytes.all.peak"],
+                rss_bytes=process_rss_bytes(),
+                reserved_bytes=stats["reserved_bytes.all.current"],
+                peak_reserved_bytes=stats["reserved_bytes.all.peak"],
+            )
+        )
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def end(self) -> list[StageReading]:
+        readings, self._readings = self._readings, []
+        self._active = False
+        return readings
+
+    def abort(self) -> None:
+        self._readings = []
+        self._active = False
+
+
+class CpuStageMeter(StageMeter):
+    name = "cpu_profiler_exact"
+    absolute = False
+    needs_preroll = True
+
+    def __init__(self) -> None:
+        self._session: contextlib.ExitStack | None = None
+        self._profiler: profile | None = None
+        self._marks: list[tuple[str, int]] = []
+
+    @property
+    def active(self) -> bool:
+        return self._session is not None
+
+    def begin(self) -> None:
+        if self._session is not None:
+            raise RuntimeError("CpuStageMeter.begin() called twice without end()")
+        refuse_nested_profiler()
+        self._marks = []
+        self._session = contextlib.ExitStack()
+        self._profiler = self._session.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+
+    def mark(self, stage: str) -> None:
+        if self._session is None:
+            raise RuntimeError("CpuStageMeter.mark() outside begin()/end()")
+        self._marks.append((stage, process_rss_bytes()))
+        with record_function(f"{_MARK_PREFIX}{len(self._marks) - 1}"):
+            pass
+
+    def end(self) -> list[StageReading]:
+        if self._session is None or self._profiler is None:
+            raise RuntimeError("CpuStageMeter.end() without begin()")
+        self._session.close()
+        events = self._profiler.profiler.kineto_results.events()
+        self._session = self._profiler = None
+        mark_times = {
+            int(e.name()[len(_MARK_PREFIX) :]): e.start_ns() for e in events if e.name().startswith(_MARK_PREFIX)
+        }
+        memory = cpu_memory_events(events)
+        readings: list[StageReading] = []
+        current = peak = 0
+        cursor = 0
+        while cursor < len(memory) and mark_times and memory[cursor][0] <= mark_times[0]:
+            cursor += 1  # the pre-roll: allocations before the first mark are the baseline
+        for index, (stage, rss) in enumerate(self._marks):
+            until = mark_times[index]
+            while cursor < len(memory) and memory[cursor][0] <= until:
+                current += memory[cursor][1]
+                peak = max(peak, current)
+                cursor += 1
+            readings.append(StageReading(stage=stage, current_bytes=current, peak_bytes=peak, rss_bytes=rss))
+            peak = current
+        return readings
+
+    def abort(self) -> None:
+        if self._session is not None:
+            self._session.close()
+        self._session = self._profiler = None
+        self._marks = []
+
+
+def stage_meter_for(device: torch.device | str) -> StageMeter:
+    """The meter for ``device``: CUDA allocator statistics, or the exact CPU profiler replay."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return CudaStageMeter(device)
+    if device.type == "cpu":
+        return CpuStageMeter()
+    raise ValueError(f"no memory meter for device type {device.type!r}: cpu and cuda are supported")
+
+
+__all__ = [
+    "CpuStageMeter",
+    "CudaStageMeter",
+    "StageMeter",
+    "StageReading",
+    "process_rss_bytes",
+    "stage_meter_for",
+]

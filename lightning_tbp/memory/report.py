@@ -56,8 +56,8 @@ def _plot_breakdown(plt: Any, records: list[dict[str, Any]], labels: list[str], 
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     ax.scatter(labels, [r["peak_memory_mb"] for r in records], marker="_", s=900, color="black", zorder=3, label="peak")
     ax.set_ylabel("MiB")
-    ax.set_title("Memory per category (each at its high-water mark in the step) and step peak")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title("Memory per category (each at its high-water mark) and peak")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", labelrotation=15)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -65,16 +65,30 @@ def _plot_breakdown(plt: Any, records: list[dict[str, Any]], labels: list[str], 
 
 
 def _plot_timeline(plt: Any, records: list[dict[str, Any]], labels: list[str], path: Path) -> None:
+    """One segment per metered batch, side by side: what happens between them was not metered."""
     fig, ax = plt.subplots(figsize=(9, 4.8))
+    stage_rank = {stage: i for i, stage in enumerate(STAGES)}
     for record, label in zip(records, labels, strict=True):
-        snaps = record["snapshots"]
-        stage_rank = {stage: i for i, stage in enumerate(STAGES)}
-        x = [s["step"] + stage_rank.get(s["stage"], 0) / len(STAGES) for s in snaps]
-        (line,) = ax.plot(x, [s["current_mb"] for s in snaps], marker=".", label=f"{label}: current")
-        ax.plot(x, [s["peak_mb"] for s in snaps], linestyle="--", color=line.get_color(), label=f"{label}: peak")
-    ax.set_xlabel("training batch (+ stage: start, after forward, after backward, after step)")
+        batches = sorted({s["step"] for s in record["snapshots"]})
+        color = None
+        for ordinal, batch in enumerate(batches):
+            snaps = [s for s in record["snapshots"] if s["step"] == batch]
+            x = [ordinal + stage_rank.get(s["stage"], 0) / len(STAGES) for s in snaps]
+            first = ordinal == 0
+            (line,) = ax.plot(
+                x,
+                [s["current_mb"] for s in snaps],
+                marker=".",
+                color=color,
+                label=f"{label}: current" if first else None,
+            )
+            color = line.get_color()
+            ax.plot(
+                x, [s["peak_mb"] for s in snaps], linestyle="--", color=color, label=f"{label}: peak" if first else None
+            )
+    ax.set_xlabel("metered batch (each: start, after forward, after backward, after step)")
     ax.set_ylabel("MiB")
-    ax.set_title("Memory at each stage of the metered batches")
+    ax.set_title("Memory at each stage of the metered batches (peak: highest since the previous stage)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -1,7 +1,11 @@
 """The ``tbp`` command.
 
-``tbp report RUN_JSON... [--out DIR]`` compares run records written by
-``MemoryProfilerCallback`` (or the benchmarks): plots and a ``summary.txt``.
+- ``tbp fit|validate|test|predict -c configs/X.yaml [--trainer.strategy=tiny_backprop]
+  [--trainer.callbacks+=MemoryProfilerCallback] [--print_config]``: Lightning's CLI over any
+  LightningModule and LightningDataModule (``class_path`` in the config), with lightning_tbp's
+  strategies registered and its callbacks importable by short name.
+- ``tbp report RUN_JSON... [--out DIR]``: compare run records written by
+  ``MemoryProfilerCallback`` (or the benchmarks): plots and a ``summary.txt``.
 """
 
 from __future__ import annotations
@@ -11,10 +15,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import lightning as L
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_tbp  # noqa: F401  (registers the strategies; makes the callbacks resolvable by name)
 from lightning_tbp.memory.report import compare_runs
 
 
-def _report(args: argparse.Namespace) -> int:
+def _report(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="tbp report", description="compare memory run records (memory_rank*.json)")
+    parser.add_argument("runs", nargs="+", type=Path, help="run record JSON files; the first is the baseline")
+    parser.add_argument(
+        "--out", type=Path, default=Path("memory_report"), help="output directory (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
     try:
         files = compare_runs(args.runs, args.out)
     except (FileNotFoundError, ValueError) as error:
@@ -25,21 +39,27 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tbp", description="lightning-tbp command line")
-    commands = parser.add_subparsers(dest="command", required=True)
-    report = commands.add_parser("report", help="compare memory run records (memory_rank*.json)")
-    report.add_argument("runs", nargs="+", type=Path, help="run record JSON files; the first is the baseline")
-    report.add_argument(
-        "--out", type=Path, default=Path("memory_report"), help="output directory (default: %(default)s)"
+def run_lightning_cli(argv: Sequence[str] | None = None) -> LightningCLI:
+    """Lightning's CLI in subclass mode: the config names the module and data classes.
+
+    ``argv=None`` reads ``sys.argv`` (the console script); a list runs from Python (tests).
+    """
+    return LightningCLI(
+        L.LightningModule,
+        L.LightningDataModule,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        args=None if argv is None else list(argv),
+        save_config_kwargs={"overwrite": True},
     )
-    report.set_defaults(handler=_report)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return args.handler(args)
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words and words[0] == "report":
+        return _report(words[1:])
+    run_lightning_cli(argv)
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh machine with only Python 3.11:
-#   bash scripts/dev.sh main    -> environment + the main job (CPU DDPM run with the plan report)
+#   bash scripts/dev.sh main    -> environment + the main job (tbp fit -c configs/ddpm_unet_tiny.yaml:
+#                                  CPU DDPM run with the plan and memory reports, samples, export)
 #   bash scripts/dev.sh test    -> environment + lint + the whole test suite
 #   bash scripts/dev.sh env     -> only create/refresh the environment (.venv)
 set -euo pipefail
@@ -31,7 +32,7 @@ case "$cmd" in
     ensure_env ;;
   main)
     ensure_env
-    "$VENV/bin/python" recipes/train_ddpm_digits.py "$@" ;;
+    "$VENV/bin/tbp" fit -c configs/ddpm_unet_tiny.yaml "$@" ;;
   test)
     ensure_env
     "$VENV/bin/ruff" check .

@@ -4,6 +4,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.strategies import StrategyRegistry
 from models import Denoiser
 from torch import nn
@@ -99,8 +100,9 @@ def test_model_with_nothing_to_plan_trains_with_a_warning(data) -> None:
     assert losses.shape == (2,)
 
 
-def test_trains_under_lightnings_pytorch_profiler(data) -> None:
+def test_trains_under_lightnings_pytorch_profiler(data, tmp_path) -> None:
     """Planning and metering step aside for a running profiler instead of corrupting it."""
-    trainer, _, losses = fit("tiny_backprop", data, max_steps=2, profiler="pytorch")
+    profiler = PyTorchProfiler(dirpath=tmp_path, filename="trace")
+    trainer, _, losses = fit("tiny_backprop", data, max_steps=2, profiler=profiler)
     assert trainer.strategy.plan.current is not None and losses.shape == (2,)
     assert "aten::convolution" in trainer.profiler.summary()

@@ -1,6 +1,18 @@
-"""Diffusion training pieces: data that ships with installed packages and a DDPM LightningModule."""
+"""Diffusion training with diffusers models: the LightningModule, data modules, sampling."""
 
-from lightning_tbp.diffusion.data import DigitsDataModule
-from lightning_tbp.diffusion.ddpm import DDPMModule, small_unet_config
+from lightning_tbp.diffusion.data import DigitsDataModule, ImageFolderDataModule, images_in_batch
+from lightning_tbp.diffusion.models import FAMILIES, build_model, small_unet_config
+from lightning_tbp.diffusion.module import DiffusionModule
+from lightning_tbp.diffusion.sampling import sample, save_image_grid
 
-__all__ = ["DDPMModule", "DigitsDataModule", "small_unet_config"]
+__all__ = [
+    "FAMILIES",
+    "DiffusionModule",
+    "DigitsDataModule",
+    "ImageFolderDataModule",
+    "build_model",
+    "images_in_batch",
+    "sample",
+    "save_image_grid",
+    "small_unet_config",
+]

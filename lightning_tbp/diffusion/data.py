@@ -1,49 +1,239 @@
-"""Real images that need no network: scikit-learn's bundled handwritten digits.
+"""Training images for the diffusion recipes: a local image folder, or digits that ship with scikit-learn.
 
-The 1,797 digits are 8x8 grey images shipped inside scikit-learn; they are scaled to [-1, 1]
-and resized to ``image_size`` so a U-Net with a few resolution levels can train on them.
+Batches are dicts: ``images`` (float [B, C, S, S] in [-1, 1]), ``labels`` (long [B]) and, when
+the data carries precomputed conditioning (for ``UNet2DConditionModel``),
+``encoder_hidden_states`` ([B, T, D]).
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import lightning as L
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from PIL import Image, UnidentifiedImageError
+from torch.utils.data import DataLoader, Dataset, random_split
+
+IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+
+
+def images_in_batch(batch: dict[str, Any]) -> int:
+    """Samples in a batch (for Lightning's ``ThroughputMonitor(batch_size_fn=...)``)."""
+    return batch["images"].shape[0]
+
+
+class _DictDataset(Dataset):
+    """Tensors indexed together, returned as a dict per sample."""
+
+    def __init__(self, **tensors: torch.Tensor) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(next(iter(self.tensors.values())))
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {key: value[index] for key, value in self.tensors.items()}
+
+
+class _SplitDataModule(L.LightningDataModule):
+    """Shared loaders: a seeded train/validation split of one dataset."""
+
+    def __init__(self, batch_size: int, val_fraction: float, num_workers: int, seed: int) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if not 0.0 <= val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+        self.batch_size, self.val_fraction, self.num_workers, self.seed = batch_size, val_fraction, num_workers, seed
+        self.train_set: Dataset | None = None
+        self.val_set: Dataset | None = None
+
+    def _dataset(self) -> Dataset:
+        raise NotImplementedError
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_set is not None:
+            return
+        dataset = self._dataset()
+        n_val = int(len(dataset) * self.val_fraction)
+        if self.val_fraction > 0 and n_val == 0:
+            n_val = 1
+        generator = torch.Generator().manual_seed(self.seed)
+        self.train_set, self.val_set = random_split(dataset, [len(dataset) - n_val, n_val], generator=generator)
+
+    def _loader(self, dataset: Dataset | None, shuffle: bool) -> DataLoader:
+        assert dataset is not None, "setup() has not run"
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle and len(dataset) >= self.batch_size,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader | list:
+        if not self.val_set or len(self.val_set) == 0:
+            return []
+        return self._loader(self.val_set, shuffle=False)
 
 
 def load_digits_images(image_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """All digits as a float tensor [N, 1, S, S] in [-1, 1], and their labels [N]."""
+    """All 1,797 digits as a float tensor [N, 1, S, S] in [-1, 1], and their labels [N]."""
     try:
         from sklearn.datasets import load_digits
     except ImportError as error:
-        raise ImportError(
-            "the bundled digits data set comes with scikit-learn: pip install scikit-learn "
-            "(or install lightning-tbp with the [dev] extra)"
-        ) from error
+        raise ImportError("the bundled digits data set comes with scikit-learn: pip install scikit-learn") from error
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     images = F.interpolate(images, size=(image_size, image_size), mode="bilinear", align_corners=False)
     return images.clamp(0, 1) * 2 - 1, torch.tensor(digits.target)
 
 
-class DigitsDataModule(L.LightningDataModule):
-    """scikit-learn's handwritten digits as a diffusion training set (no download)."""
+class DigitsDataModule(_SplitDataModule):
+    """scikit-learn's 8x8 handwritten digits (real images, no download), resized; labels 0-9."""
 
-    def __init__(self, image_size: int = 32, batch_size: int = 32, seed: int = 0) -> None:
-        super().__init__()
+    num_classes = 10
+    channels = 1
+
+    def __init__(
+        self, image_size: int = 32, batch_size: int = 32, val_fraction: float = 0.1, num_workers: int = 0, seed: int = 0
+    ) -> None:
+        super().__init__(batch_size, val_fraction, num_workers, seed)
         if image_size < 8 or image_size % 8:
             raise ValueError(f"image_size must be a multiple of 8 and at least 8, got {image_size}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be positive, got {batch_size}")
-        self.image_size, self.batch_size, self.seed = image_size, batch_size, seed
-        self.dataset: TensorDataset | None = None
+        self.image_size = image_size
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.dataset is None:
-            self.dataset = TensorDataset(*load_digits_images(self.image_size))
+    def _dataset(self) -> Dataset:
+        images, labels = load_digits_images(self.image_size)
+        return _DictDataset(images=images, labels=labels)
 
-    def train_dataloader(self) -> DataLoader:
-        assert self.dataset is not None
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, generator=generator)
+
+class ImageFolder(Dataset):
+    """Images under ``root``; one level of subfolders, if present, names the classes (sorted)."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        image_size: int,
+        channels: int = 3,
+        random_flip: bool = True,
+        center_crop: bool = True,
+        embeddings: dict[str, torch.Tensor] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"image folder {str(self.root)!r} does not exist (or is not a directory)")
+        if channels not in (1, 3):
+            raise ValueError(f"channels must be 1 (grey) or 3 (RGB), got {channels}")
+        self.image_size, self.channels = image_size, channels
+        self.random_flip, self.center_crop = random_flip, center_crop
+        subfolders = sorted(p for p in self.root.iterdir() if p.is_dir() and not p.name.startswith("."))
+        self.classes = [p.name for p in subfolders] or [""]
+        self.files: list[tuple[Path, int]] = []
+        for label, folder in enumerate(subfolders or [self.root]):
+            for path in sorted(folder.iterdir()):
+                if path.name.startswith(".") or path.is_dir():
+                    continue
+                if path.suffix.lower() not in IMAGE_SUFFIXES:
+                    raise ValueError(
+                        f"{path} is not an image file (accepted suffixes: {', '.join(sorted(IMAGE_SUFFIXES))}); "
+                        "move it out of the image folder"
+                    )
+                self.files.append((path, label))
+        if not self.files:
+            raise ValueError(f"image folder {str(self.root)!r} holds no images (looked for {sorted(IMAGE_SUFFIXES)})")
+        self.embeddings = None
+        if embeddings is not None:
+            missing = [name for name in self.classes if name not in embeddings]
+            if missing:
+                raise ValueError(f"the embeddings file has no entry for classes {missing}")
+            self.embeddings = [embeddings[name] for name in self.classes]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _load(self, path: Path) -> torch.Tensor:
+        try:
+            with Image.open(path) as image:
+                image = image.convert("RGB" if self.channels == 3 else "L")
+                scale = self.image_size / min(image.size)
+                size = (
+                    max(self.image_size, round(image.width * scale)),
+                    max(self.image_size, round(image.height * scale)),
+                )
+                image = image.resize(size, Image.Resampling.BICUBIC)
+                array = np.asarray(image, dtype=np.float32)
+        except (UnidentifiedImageError, OSError) as error:
+            raise ValueError(f"cannot read image {path}: {error}") from error
+        pixels = torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
+        height, width = pixels.shape[1:]
+        if self.center_crop:
+            top, left = (height - self.image_size) // 2, (width - self.image_size) // 2
+        else:
+            top = int(torch.randint(0, height - self.image_size + 1, ()))
+            left = int(torch.randint(0, width - self.image_size + 1, ()))
+        pixels = pixels[:, top : top + self.image_size, left : left + self.image_size]
+        if self.random_flip and torch.rand(()) < 0.5:
+            pixels = pixels.flip(-1)
+        return pixels / 127.5 - 1.0
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        path, label = self.files[index]
+        sample = {"images": self._load(path), "labels": torch.tensor(label)}
+        if self.embeddings is not None:
+            sample["encoder_hidden_states"] = self.embeddings[label]
+        return sample
+
+
+class ImageFolderDataModule(_SplitDataModule):
+    """Any local folder of images (optional class subfolders as labels), resized, cropped, flipped.
+
+    Args:
+        root: the folder. Images directly inside it get label 0; with subfolders, each subfolder
+            is a class (sorted by name) and files directly in ``root`` are ignored.
+        embeddings: a ``torch.save``'d dict class name -> tensor [T, D] of precomputed
+            conditioning (e.g. text-encoder states of a prompt per class), for
+            ``UNet2DConditionModel``; an unlabelled folder's class name is ``""``.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        image_size: int = 64,
+        batch_size: int = 16,
+        channels: int = 3,
+        random_flip: bool = True,
+        center_crop: bool = True,
+        val_fraction: float = 0.0,
+        embeddings: str | None = None,
+        num_workers: int = 0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(batch_size, val_fraction, num_workers, seed)
+        if image_size < 8:
+            raise ValueError(f"image_size must be at least 8, got {image_size}")
+        self.root, self.image_size, self.channels = root, image_size, channels
+        self.random_flip, self.center_crop, self.embeddings = random_flip, center_crop, embeddings
+        self.num_classes: int | None = None
+
+    def _dataset(self) -> Dataset:
+        embeddings = None
+        if self.embeddings is not None:
+            if not Path(self.embeddings).is_file():
+                raise FileNotFoundError(f"embeddings file {self.embeddings!r} does not exist")
+            embeddings = torch.load(self.embeddings, map_location="cpu", weights_only=True)
+        dataset = ImageFolder(
+            self.root, self.image_size, self.channels, self.random_flip, self.center_crop, embeddings=embeddings
+        )
+        self.num_classes = len(dataset.classes)
+        return dataset

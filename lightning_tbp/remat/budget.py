@@ -10,7 +10,8 @@ Accepted forms (anything else raises ``ValueError`` listing them):
 * "auto": on CUDA, the device's free memory at planning time minus a margin of
   ``AUTO_CUDA_MARGIN`` of its total memory (room for optimizer state created at the first step,
   allocator fragmentation and the loss); on other devices ``AUTO_DEFAULT_FRACTION`` of the naive
-  peak, since host memory gives no useful bound.
+  peak, since host memory gives no useful bound; a model that cannot reach that fraction is
+  planned at its minimum feasible budget, with a warning.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ class MemoryBudget:
             free, total = torch.cuda.mem_get_info(device)
             return max(0, int(free - AUTO_CUDA_MARGIN * total))
         return int(AUTO_DEFAULT_FRACTION * naive_peak_bytes)
+
+    def is_fraction_default(self, device: torch.device) -> bool:
+        """Whether this is "auto" on a device without a memory limit to fit (a default fraction).
+
+        There the fraction is only a default, so a model that cannot reach it is planned at its
+        minimum feasible budget instead (with a warning); on CUDA "auto" is the free memory, a
+        hard limit, and an infeasible one raises like any explicit budget.
+        """
+        return self.kind == "auto" and device.type != "cuda"
+
+    def describe_resolved(self, device: torch.device) -> str:
+        if self.is_fraction_default(device):
+            return f"{AUTO_DEFAULT_FRACTION:g} of naive"
+        return self.describe()
 
     def describe(self) -> str:
         if self.kind == "fraction":

@@ -24,7 +24,7 @@ from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator
-from lightning_tbp.remat.solve import Solver
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
 from lightning_tbp.remat.trace import Trace, record_trace
 
 log = logging.getLogger("lightning_tbp")
@@ -177,7 +177,20 @@ class Plan:
             options = [Option.KEEP] * len(trace.nodes)
             planned, solve_seconds = naive, 0.0
         else:
-            solution = solver.solve(budget_bytes)
+            try:
+                solution = solver.solve(budget_bytes)
+            except InfeasibleBudgetError as error:
+                if not self.budget.is_fraction_default(device):
+                    raise
+                warnings.warn(
+                    f"lightning_tbp: memory_budget='auto' means {self.budget.describe_resolved(device)} here, "
+                    f"below what {type(self.module).__name__} can reach; planning at its minimum feasible budget "
+                    f"{format_bytes(error.minimum_budget_bytes)} "
+                    f"({error.minimum_budget_bytes / naive.peak_bytes:.3f} of naive) instead",
+                    stacklevel=4,
+                )
+                budget_bytes = error.minimum_budget_bytes
+                solution = solver.solve(budget_bytes)
             options, planned, solve_seconds = solution.options, solution.result, solution.solve_seconds
         shape_plan = ShapePlan(
             signature=signature,

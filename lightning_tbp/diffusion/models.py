@@ -1,0 +1,122 @@
+"""The diffusers denoisers the recipes train, behind one small interface per family.
+
+A family knows how to build its model from a config, where it sits in a pipeline folder
+(``unet`` or ``transformer``), and how to call it on a batch. Loading is local only:
+``from_pretrained`` on a directory, never the hub.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_class: type[nn.Module]
+    pipeline_subfolder: str
+    call: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
+
+
+def _call_unet(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    return model(noisy, timesteps).sample
+
+
+def _call_dit(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    # diffusers' DiT drops 10% of the labels to its null class while training (classifier-free guidance).
+    out = model(noisy, timestep=timesteps, class_labels=batch["labels"]).sample
+    return out[:, : noisy.shape[1]]  # a DiT that learns the variance too returns 2C channels
+
+
+def _call_conditional_unet(
+    model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]
+) -> torch.Tensor:
+    if "encoder_hidden_states" not in batch:
+        raise ValueError(
+            "UNet2DConditionModel needs precomputed conditioning: batches must carry 'encoder_hidden_states' "
+            "(ImageFolderDataModule(embeddings=...) provides them)"
+        )
+    return model(noisy, timesteps, encoder_hidden_states=batch["encoder_hidden_states"]).sample
+
+
+FAMILIES = {
+    "unet2d": Family("unet2d", UNet2DModel, "unet", _call_unet),
+    "dit": Family("dit", DiTTransformer2DModel, "transformer", _call_dit),
+    "unet2d_condition": Family("unet2d_condition", UNet2DConditionModel, "unet", _call_conditional_unet),
+}
+
+
+def family(name: str) -> Family:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; choose one of {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def model_directory(path: str | os.PathLike[str], fam: Family) -> Path:
+    """The folder holding the model's ``config.json``: ``path`` itself or its pipeline subfolder."""
+    root = Path(path)
+    if not root.is_dir():
+        raise FileNotFoundError(
+            f"pretrained model directory {str(root)!r} does not exist; give a local diffusers model folder "
+            f"(config.json + weights) or a pipeline folder with a '{fam.pipeline_subfolder}' subfolder "
+            "(no hub downloads at run time)"
+        )
+    for candidate in (root, root / fam.pipeline_subfolder):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"{str(root)!r} is neither a diffusers model folder nor a pipeline folder: no config.json in it or in "
+        f"its '{fam.pipeline_subfolder}' subfolder"
+    )
+
+
+def build_model(family_name: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> nn.Module:
+    """A fresh model from ``config``, or the weights in the local directory ``pretrained``."""
+    fam = family(family_name)
+    if pretrained is None:
+        return fam.model_class(**(config or {}))
+    if config:
+        raise ValueError("give either model_config (a fresh model) or pretrained (local weights), not both")
+    directory = model_directory(pretrained, fam)
+    declared = json.loads((directory / "config.json").read_text()).get("_class_name")
+    if declared not in (None, fam.model_class.__name__):
+        raise ValueError(
+            f"{directory} holds a {declared}, but model family {fam.name!r} trains {fam.model_class.__name__}"
+        )
+    try:
+        return fam.model_class.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot load {fam.model_class.__name__} from {directory}: {error}") from error
+
+
+def sample_input_channels(model: nn.Module) -> int:
+    return int(model.config.in_channels)
+
+
+def sample_size(model: nn.Module) -> int:
+    size = model.config.sample_size
+    return int(size[0] if isinstance(size, (list, tuple)) else size)
+
+
+def small_unet_config(image_size: int = 32, channels: int = 1) -> dict[str, Any]:
+    """A small pixel-space U-Net with attention at the middle resolution (fast on CPU)."""
+    return {
+        "sample_size": image_size,
+        "in_channels": channels,
+        "out_channels": channels,
+        "block_out_channels": (32, 64, 64),
+        "layers_per_block": 2,
+        "norm_num_groups": 8,
+        "down_block_types": ("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+        "up_block_types": ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        "attention_head_dim": 8,
+    }

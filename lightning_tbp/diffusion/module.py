@@ -1,0 +1,223 @@
+"""``DiffusionModule``: denoising diffusion training of a diffusers U-Net or DiT with Lightning.
+
+One module for the three families (``unet2d`` DDPM, class-conditional ``dit``, and
+``unet2d_condition`` on precomputed conditioning). It trains epsilon or v-prediction with a
+DDPM noise schedule, keeps optional EMA weights, samples an image grid after each validation,
+reports FLOPs per batch for Lightning's ``ThroughputMonitor``, and at the end of ``fit`` writes
+the (EMA) model with ``save_pretrained`` so a diffusers pipeline loads it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from diffusers import DDPMPipeline, DDPMScheduler
+from lightning.fabric.utilities.throughput import measure_flops
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
+from lightning_tbp.diffusion.models import family as family_spec
+from lightning_tbp.diffusion.sampling import sample, save_image_grid
+
+
+class DiffusionModule(L.LightningModule):
+    """Train a diffusers denoiser on batches of ``{"images", "labels", ["encoder_hidden_states"]}``.
+
+    Args:
+        family: ``"unet2d"`` (``UNet2DModel``), ``"dit"`` (``DiTTransformer2DModel``, class labels)
+            or ``"unet2d_condition"`` (``UNet2DConditionModel``, ``encoder_hidden_states``).
+        model_config: keyword arguments of the model class (a fresh model).
+        pretrained: a local diffusers model folder, or a pipeline folder whose ``unet`` /
+            ``transformer`` subfolder holds it (fine-tuning). Exclusive with ``model_config``.
+        prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"``.
+        num_train_timesteps, beta_schedule: the DDPM noise schedule.
+        lr, weight_decay, lr_warmup_steps: AdamW with a linear warm-up.
+        ema_decay: keep an exponential moving average of the weights (sampled and exported).
+        sample_images, sample_steps, sampler, guidance_scale: the grid drawn after each
+            validation (0 images: none); guidance applies to DiT labels.
+        export, export_dir: write the model with ``save_pretrained`` at the end of fit, to
+            ``export_dir`` (default ``<log_dir>/pretrained``).
+        compute_flops: measure FLOPs per batch (on the meta device) for ``ThroughputMonitor``.
+    """
+
+    def __init__(
+        self,
+        family: Literal["unet2d", "dit", "unet2d_condition"] = "unet2d",
+        model_config: dict[str, Any] | None = None,
+        pretrained: str | None = None,
+        prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
+        num_train_timesteps: int = 1000,
+        beta_schedule: str = "linear",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        lr_warmup_steps: int = 0,
+        ema_decay: float | None = None,
+        sample_images: int = 16,
+        sample_steps: int = 50,
+        sampler: Literal["ddim", "ddpm"] = "ddim",
+        guidance_scale: float = 1.0,
+        export: bool = True,
+        export_dir: str | None = None,
+        compute_flops: bool = True,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        if prediction_type not in ("epsilon", "v_prediction"):
+            raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
+        self.family = family_spec(family)
+        self.model = build_model(family, model_config, pretrained)
+        self.noise_scheduler = DDPMScheduler(
+            num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
+        )
+        self.ema: AveragedModel | None = None
+        if ema_decay is not None:
+            # Copied now, before a tiny_backprop plan wraps the model's blocks at the first batch.
+            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
+            self.ema.requires_grad_(False)
+        self.flops_per_batch: int | None = None
+        self.last_sample_grid: Path | None = None
+        self.exported_to: Path | None = None
+        self._sample_conditioning: dict[str, torch.Tensor] | None = None
+
+    # -- training ------------------------------------------------------------------------------
+
+    def diffusion_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        images = batch["images"]
+        noise = torch.randn_like(images)
+        timesteps = torch.randint(
+            0, self.noise_scheduler.config.num_train_timesteps, (images.shape[0],), device=images.device
+        )
+        noisy = self.noise_scheduler.add_noise(images, noise, timesteps)
+        if self.hparams.prediction_type == "epsilon":
+            target = noise
+        else:
+            target = self.noise_scheduler.get_velocity(images, noise, timesteps)
+        return F.mse_loss(self.family.call(self.model, noisy, timesteps, batch).float(), target.float())
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = self.diffusion_loss(batch)
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if self.hparams.compute_flops and self.flops_per_batch is None:
+            self.flops_per_batch = self._measure_flops(batch)
+
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+        # Here, not at batch end: callbacks (ModelCheckpoint) see the batch end first, and a
+        # checkpoint must hold the EMA of the weights it holds. Once per optimizer step.
+        if self.ema is not None:
+            self.ema.update_parameters(self.model)
+
+    def _measure_flops(self, batch: dict[str, Any]) -> int:
+        """Model FLOPs of one training step (forward + backward) on a meta-device copy: no memory, no time."""
+        with torch.device("meta"):
+            meta_model = self.family.model_class.from_config(self.model.config)
+            meta_batch = {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
+            timesteps = torch.zeros(meta_batch["images"].shape[0], dtype=torch.long)
+        return measure_flops(
+            meta_model,
+            lambda: self.family.call(meta_model, meta_batch["images"], timesteps, meta_batch),
+            lambda out: out.sum(),
+        )
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
+        )
+        warmup = self.hparams.lr_warmup_steps
+        if warmup <= 0:
+            return optimizer
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    # -- validation: loss, then a grid of samples -----------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        if self._sample_conditioning is None:
+            self._sample_conditioning = {k: v for k, v in batch.items() if k != "images" and torch.is_tensor(v)}
+        loss = self.diffusion_loss(batch)
+        self.log("val/loss", loss, prog_bar=True)
+        return loss
+
+    @property
+    def inference_model(self) -> nn.Module:
+        """The EMA weights when kept, else the trained ones."""
+        return self.ema.module if self.ema is not None else self.model
+
+    def sample(self, n: int, steps: int | None = None, seed: int = 0) -> torch.Tensor:
+        """``n`` images in [-1, 1] from the (EMA) model."""
+        model = self.inference_model
+        size, channels = sample_size(model), sample_input_channels(model)
+        conditioning, null = self._conditioning_for(n)
+        generator = torch.Generator().manual_seed(seed)
+        return sample(
+            model,
+            self.family,
+            self.noise_scheduler,
+            (n, channels, size, size),
+            conditioning,
+            steps=steps or self.hparams.sample_steps,
+            sampler=self.hparams.sampler,
+            guidance_scale=self.hparams.guidance_scale,
+            null_conditioning=null,
+            generator=generator,
+        )
+
+    def _conditioning_for(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        if self.family.name == "dit":
+            classes = int(self.inference_model.config.num_embeds_ada_norm)
+            labels = torch.arange(n, device=self.device) % classes
+            return {"labels": labels}, {"labels": torch.full_like(labels, classes)}
+        if self.family.name == "unet2d_condition":
+            if self._sample_conditioning is None or "encoder_hidden_states" not in self._sample_conditioning:
+                raise RuntimeError("sampling UNet2DConditionModel needs conditioning: run a validation batch first")
+            states = self._sample_conditioning["encoder_hidden_states"]
+            states = states[torch.arange(n, device=states.device) % states.shape[0]]
+            return {"encoder_hidden_states": states}, {"encoder_hidden_states": torch.zeros_like(states)}
+        return {}, None
+
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking or self.hparams.sample_images <= 0 or not self.trainer.is_global_zero:
+            return
+        images = self.sample(self.hparams.sample_images)
+        path = Path(self._output_root()) / "samples" / f"step_{self.global_step:06d}.png"
+        self.last_sample_grid = save_image_grid(images, path)
+        experiment = getattr(self.logger, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            experiment.add_image("samples", (images[:, :3] + 1) / 2, self.global_step, dataformats="NCHW")
+        rank_zero_info(f"DiffusionModule: sample grid written to {path}")
+
+    # -- export -----------------------------------------------------------------------------------
+
+    def on_fit_end(self) -> None:
+        if self.hparams.export and self.trainer.is_global_zero:
+            self.exported_to = self.export(self.hparams.export_dir or Path(self._output_root()) / "pretrained")
+            rank_zero_info(f"DiffusionModule: model written to {self.exported_to} (diffusers save_pretrained)")
+
+    def export(self, directory: str | Path) -> Path:
+        """Write the (EMA) model and the noise scheduler as a diffusers folder.
+
+        ``unet2d`` becomes a ``DDPMPipeline`` folder; the other families a pipeline-style folder
+        with the model in ``transformer``/``unet`` and the scheduler in ``scheduler``.
+        """
+        directory = Path(directory)
+        model = self.inference_model
+        if self.family.name == "unet2d":
+            DDPMPipeline(unet=model, scheduler=self.noise_scheduler).save_pretrained(directory)
+        else:
+            model.save_pretrained(directory / self.family.pipeline_subfolder)
+            self.noise_scheduler.save_pretrained(directory / "scheduler")
+        return directory
+
+    def _output_root(self) -> str:
+        return self.trainer.log_dir or self.trainer.default_root_dir

@@ -1,0 +1,274 @@
+"""Recipes: every YAML config runs, the tiny recipe learns, fine-tuning round-trips through diffusers."""
+
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from diffusers import DDPMPipeline, DiTTransformer2DModel, UNet2DModel
+from lightning.fabric.utilities.throughput import measure_flops
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from PIL import Image
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from lightning_tbp.cli import run_lightning_cli
+from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule
+from lightning_tbp.diffusion.models import build_model
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TINY_UNET = {
+    "sample_size": 32,
+    "block_out_channels": [16, 32],
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+    "up_block_types": ["AttnUpBlock2D", "UpBlock2D"],
+    "attention_head_dim": 8,
+}
+TINY_DIT = {"sample_size": 32, "patch_size": 8, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 2}
+
+
+def tiny_unet_config(channels: int) -> dict:
+    return {**TINY_UNET, "in_channels": channels, "out_channels": channels}
+
+
+def tiny_dit_config(channels: int, classes: int) -> dict:
+    return {**TINY_DIT, "in_channels": channels, "out_channels": channels, "num_embeds_ada_norm": classes}
+
+
+def write_images(root: Path, classes: tuple[str, ...] = ("a", "b", "c"), per_class: int = 4) -> Path:
+    rng = np.random.default_rng(0)
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for index in range(per_class):
+            pixels = rng.integers(0, 256, size=(36, 40, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{index}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("images"))
+
+
+@pytest.fixture(scope="module")
+def pretrained_unet(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("pretrained") / "tiny-ddpm"
+    UNet2DModel(**tiny_unet_config(3)).save_pretrained(directory)
+    return directory
+
+
+def config_overrides(name: str, image_folder: Path, pretrained_unet: Path) -> list[str]:
+    """Shrink each recipe to a tiny model on tiny data; everything else stays as in the YAML."""
+    text = (CONFIGS / name).read_text()
+    image_data = "ImageFolderDataModule" in text
+    channels = 3 if image_data else 1
+    args = []
+    if image_data:
+        args += [f"--data.init_args.root={image_folder}", "--data.init_args.image_size=32"]
+        args += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.val_fraction=0.2"]
+    else:
+        args += ["--data.init_args.batch_size=4"]
+    if "pretrained:" in text:
+        args.append(f"--model.init_args.pretrained={pretrained_unet}")
+    elif "family: dit" in text:
+        args.append(f"--model.init_args.model_config={json.dumps(tiny_dit_config(channels, 3 if image_data else 10))}")
+    else:
+        args.append(f"--model.init_args.model_config={json.dumps(tiny_unet_config(channels))}")
+    if "MemoryProfilerCallback" not in text:
+        args.append("--trainer.callbacks+=MemoryProfilerCallback")
+    return args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, pretrained_unet, tmp_path) -> None:
+    args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
+    args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    args += [
+        "--trainer.strategy=tiny_backprop",
+        "--model.init_args.sample_images=4",
+        "--model.init_args.sample_steps=2",
+    ]
+    args += config_overrides(config, image_folder, pretrained_unet)
+    cli = run_lightning_cli(args)
+    module = cli.model
+    assert cli.trainer.global_step == 1 and cli.trainer.strategy.plan.current is not None
+    assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
+    assert module.flops_per_batch > 0
+    assert any(isinstance(c, Callback) and type(c).__name__ == "MemoryProfilerCallback" for c in cli.trainer.callbacks)
+    if module.family.name == "unet2d":
+        pipeline = DDPMPipeline.from_pretrained(module.exported_to)
+        assert pipeline.unet.config.sample_size == 32
+    else:
+        DiTTransformer2DModel.from_pretrained(module.exported_to / "transformer")
+
+
+def test_print_config_shows_the_recipe(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        run_lightning_cli(["fit", "-c", str(CONFIGS / "ddpm_unet_tiny.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "lightning_tbp.diffusion.DiffusionModule" in printed and "memory_budget: 0.5" in printed
+
+
+def fit(
+    module: DiffusionModule, data: L.LightningDataModule, tmp_path: Path, ckpt_path: str | None = None, **trainer_kwargs
+) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **{"enable_checkpointing": False, "limit_val_batches": 0, **trainer_kwargs},
+    )
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+class Losses(Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+@pytest.mark.slow
+def test_tiny_recipe_loss_goes_down_on_the_bundled_digits(tmp_path) -> None:
+    L.seed_everything(0)
+    losses = Losses()
+    module = DiffusionModule(model_config=tiny_unet_config(1), lr=1e-3, sample_images=0, export=False)
+    fit(module, DigitsDataModule(batch_size=16), tmp_path, max_steps=40, callbacks=[losses])
+    assert np.mean(losses.values[-8:]) < 0.5 * np.mean(losses.values[:4])
+
+
+@pytest.mark.parametrize("layout", ["model_folder", "pipeline_folder"])
+def test_finetune_from_local_weights_and_reload_with_diffusers(layout, pretrained_unet, image_folder, tmp_path) -> None:
+    source = pretrained_unet
+    if layout == "pipeline_folder":
+        source = tmp_path / "pipeline"
+        DDPMPipeline(
+            unet=UNet2DModel.from_pretrained(pretrained_unet), scheduler=DiffusionModule().noise_scheduler
+        ).save_pretrained(source)
+    initial = UNet2DModel.from_pretrained(pretrained_unet).state_dict()
+    module = DiffusionModule(pretrained=str(source), lr=1e-2, sample_images=0, export_dir=str(tmp_path / "out"))
+    assert all(torch.equal(initial[k], v) for k, v in module.model.state_dict().items())
+    fit(module, ImageFolderDataModule(str(image_folder), image_size=32, batch_size=4), tmp_path, max_steps=2)
+
+    pipeline = DDPMPipeline.from_pretrained(tmp_path / "out")
+    reloaded = pipeline.unet.state_dict()
+    assert all(torch.equal(reloaded[k], v) for k, v in module.model.state_dict().items())
+    assert any(not torch.equal(initial[k], reloaded[k]) for k in initial)
+    images = pipeline(batch_size=2, num_inference_steps=2, output_type="np").images
+    assert images.shape == (2, 32, 32, 3) and np.isfinite(images).all()
+
+
+def test_resume_from_a_checkpoint_continues_the_run(tmp_path) -> None:
+    L.seed_everything(0)
+    data = DigitsDataModule(batch_size=8)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, every_n_train_steps=2)
+    first = DiffusionModule(model_config=tiny_unet_config(1), ema_decay=0.9, sample_images=0, export=False)
+    fit(first, data, tmp_path, max_steps=2, enable_checkpointing=True, callbacks=[checkpoints])
+    saved = {k: v.clone() for k, v in first.state_dict().items()}
+
+    class WeightsAtStart(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+            self.step = trainer.global_step
+
+    start = WeightsAtStart()
+    second = DiffusionModule(model_config=tiny_unet_config(1), ema_decay=0.9, sample_images=0, export=False)
+    trainer = fit(
+        second, data, tmp_path, max_steps=4, callbacks=[start], ckpt_path=str(tmp_path / "ckpt" / "last.ckpt")
+    )
+    assert start.step == 2 and trainer.global_step == 4
+    assert all(torch.equal(saved[k], v) for k, v in start.weights.items())  # model and EMA weights restored
+    adam_steps = {float(state["step"]) for state in trainer.optimizers[0].state.values()}
+    assert adam_steps == {4.0}
+    assert int(second.ema.n_averaged) == 4
+
+
+def test_v_prediction_ema_and_flops(tmp_path) -> None:
+    L.seed_everything(0)
+    module = DiffusionModule(
+        model_config=tiny_unet_config(1), prediction_type="v_prediction", ema_decay=0.5, sample_images=0, export=False
+    )
+    initial = {k: v.clone() for k, v in module.model.state_dict().items()}
+    fit(module, DigitsDataModule(batch_size=4), tmp_path, max_steps=2)
+    assert module.noise_scheduler.config.prediction_type == "v_prediction"
+    trained, ema = module.model.state_dict(), module.ema.module.state_dict()
+    changed = [k for k in trained if not torch.equal(trained[k], initial[k])]
+    assert changed and all(not torch.equal(ema[k], trained[k]) for k in changed)
+
+    # The meta-device count equals a real run's with the math attention kernel. (torch 2.13's
+    # FlopCounter has no formula for the CPU flash-attention kernel, so a plain CPU count misses
+    # attention entirely.)
+    real = build_model("unet2d", tiny_unet_config(1))
+    x, t = torch.randn(4, 1, 32, 32), torch.zeros(4, dtype=torch.long)
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = measure_flops(real, lambda: real(x, t).sample, lambda out: out.sum())
+    assert module.flops_per_batch == expected
+
+
+def test_dit_and_conditional_unet_sample_grids(image_folder, tmp_path) -> None:
+    L.seed_everything(0)
+    dit = DiffusionModule(
+        family="dit",
+        model_config=tiny_dit_config(3, 3),
+        sample_images=4,
+        sample_steps=2,
+        guidance_scale=2.0,
+        export=False,
+    )
+    data = ImageFolderDataModule(str(image_folder), image_size=32, batch_size=4, val_fraction=0.25)
+    fit(dit, data, tmp_path / "dit", max_steps=1, limit_val_batches=1, val_check_interval=1)
+    assert Image.open(dit.last_sample_grid).size == (2 * 34 + 2, 2 * 34 + 2)
+
+    torch.save({name: torch.randn(5, 16) for name in ("a", "b", "c")}, tmp_path / "embeddings.pt")
+    config = {
+        **tiny_unet_config(3),
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "cross_attention_dim": 16,
+    }
+    conditional = DiffusionModule(family="unet2d_condition", model_config=config, sample_images=4, sample_steps=2)
+    conditioned = ImageFolderDataModule(
+        str(image_folder), image_size=32, batch_size=4, val_fraction=0.25, embeddings=str(tmp_path / "embeddings.pt")
+    )
+    fit(conditional, conditioned, tmp_path / "cond", max_steps=1, limit_val_batches=1, val_check_interval=1)
+    assert conditional.last_sample_grid.is_file()
+    assert (conditional.exported_to / "unet" / "config.json").is_file()
+
+
+def test_clear_errors_for_bad_data_and_model_folders(image_folder, tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        ImageFolderDataModule(str(tmp_path / "missing")).setup()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="holds no images"):
+        ImageFolderDataModule(str(tmp_path / "empty")).setup()
+    mixed = write_images(tmp_path / "mixed", classes=("x",), per_class=1)
+    (mixed / "x" / "notes.txt").write_text("not an image")
+    with pytest.raises(ValueError, match=r"notes\.txt is not an image file"):
+        ImageFolderDataModule(str(mixed)).setup()
+    broken = write_images(tmp_path / "broken", classes=("x",), per_class=1)
+    (broken / "x" / "bad.png").write_bytes(b"this is not a png")
+    data = ImageFolderDataModule(str(broken), image_size=16, batch_size=2)
+    data.setup()
+    with pytest.raises(ValueError, match=r"cannot read image .*bad\.png"):
+        next(iter(data.train_dataloader()))
+
+    with pytest.raises(FileNotFoundError, match=r"pretrained model directory .* does not exist"):
+        DiffusionModule(pretrained=str(tmp_path / "no_model"))
+    with pytest.raises(FileNotFoundError, match=r"no config\.json"):
+        DiffusionModule(pretrained=str(tmp_path / "empty"))
+    DiTTransformer2DModel(**tiny_dit_config(3, 3)).save_pretrained(tmp_path / "dit")
+    with pytest.raises(ValueError, match="holds a DiTTransformer2DModel"):
+        DiffusionModule(family="unet2d", pretrained=str(tmp_path / "dit"))
+    with pytest.raises(ValueError, match="unknown model family"):
+        DiffusionModule(family="vae")

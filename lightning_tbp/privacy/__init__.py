@@ -1,0 +1,19 @@
+"""Differentially private training: per-sample clipping in four modes, noise, accounting.
+
+``attach(module, mode=..., max_grad_norm=C, noise_multiplier=sigma)`` works on any plain PyTorch
+module; the Lightning strategy builds on it.
+"""
+
+from lightning_tbp.privacy.engine import MODES, DPEngine, PerSampleLossError, attach
+from lightning_tbp.privacy.layers import LayerHandler, UnsupportedLayerError, register, supported_types
+
+__all__ = [
+    "MODES",
+    "DPEngine",
+    "LayerHandler",
+    "PerSampleLossError",
+    "UnsupportedLayerError",
+    "attach",
+    "register",
+    "supported_types",
+]

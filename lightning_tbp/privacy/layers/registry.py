@@ -1,0 +1,94 @@
+"""The table of layer types the DP engine can clip per sample, filled by ``@register``.
+
+Each supported layer type gets one ``LayerHandler`` (one module per family, as Opacus lays out
+``grad_sample/``). A handler knows three things about its layer: how to run the forward with
+detached parameters and which tensors its per-sample gradients need, how to get per-sample
+squared gradient norms (by the cheapest method its mode allows), and how to form the clipped
+sum ``Σ_i c_i ∇_i`` directly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+Grads = dict[str, Tensor]
+"""Parameter name (as in ``module.named_parameters(recurse=False)``) to a gradient tensor."""
+
+
+class UnsupportedLayerError(TypeError):
+    """A trainable module has no per-sample handler (or a forward the handler cannot trust)."""
+
+
+class LayerHandler(ABC):
+    """Per-sample clipping for one layer type. Stateless: one instance serves every module."""
+
+    @abstractmethod
+    def forward(self, module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+        """The layer's output computed with detached parameters, and the tensors to save.
+
+        Parameters are detached so autograd computes only input gradients; the engine forms
+        the parameter gradients itself. Saved tensors go through ``ctx.save_for_backward``, so
+        checkpointing and saved-tensor hooks treat them like any other activation.
+        """
+
+    @abstractmethod
+    def norm_methods(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> tuple[str, ...]:
+        """The ways this layer can compute norms, preferred first ('ghost', 'materialise', 'flash')."""
+
+    @abstractmethod
+    def norm_sq(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, method: str) -> Tensor:
+        """``[B]``: the squared norm of each sample's gradient over the layer's trainable parameters."""
+
+    @abstractmethod
+    def per_sample_grads(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> Grads:
+        """``[B, *shape]`` per trainable parameter: each sample's gradient."""
+
+    @abstractmethod
+    def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
+        """``Σ_i coef_i ∇_i`` per trainable parameter, in the parameter's shape."""
+
+
+_HANDLERS: dict[type[nn.Module], LayerHandler] = {}
+
+
+def register(*layer_types: type[nn.Module]) -> Callable[[type[LayerHandler]], type[LayerHandler]]:
+    """Class decorator: use this handler for ``layer_types`` (and subclasses that keep their forward)."""
+
+    def decorate(handler_class: type[LayerHandler]) -> type[LayerHandler]:
+        for layer_type in layer_types:
+            _HANDLERS[layer_type] = handler_class()
+        return handler_class
+
+    return decorate
+
+
+def supported_types() -> list[str]:
+    return sorted(t.__name__ for t in _HANDLERS)
+
+
+def handler_for(module: nn.Module, name: str) -> LayerHandler:
+    """The handler for ``module`` (called ``name`` in errors), or ``UnsupportedLayerError``."""
+    for layer_type in type(module).__mro__:
+        handler = _HANDLERS.get(layer_type)
+        if handler is None:
+            continue
+        if type(module).forward is not layer_type.forward:
+            raise UnsupportedLayerError(
+                f"module {name!r} ({type(module).__name__}) subclasses {layer_type.__name__} but overrides "
+                "forward, so its per-sample gradients cannot be derived from the base layer; freeze it or "
+                "register a handler for it with lightning_tbp.privacy.register"
+            )
+        return handler
+    raise UnsupportedLayerError(
+        f"module {name!r} ({type(module).__name__}) has trainable parameters but no per-sample gradient "
+        f"handler; supported layers: {', '.join(supported_types())}. Freeze it (requires_grad_(False)) or "
+        "register a handler with lightning_tbp.privacy.register"
+    )
+
+
+def trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    """The module's own trainable parameters (not its children's)."""
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}

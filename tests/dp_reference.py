@@ -1,0 +1,29 @@
+"""Reference per-sample clipping from ``torch.func`` (vmap of grad), for the DP exactness tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+
+def per_sample_grads(model: nn.Module, loss_fn: Callable[[nn.Module, dict], Tensor], batch: dict) -> dict[str, Tensor]:
+    """``[B, *shape]`` per trainable parameter: ``loss_fn(model, one-sample batch)`` differentiated per sample."""
+    params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    buffers = dict(model.named_buffers())
+
+    def one(params: dict, sample: dict) -> Tensor:
+        batched = {k: v.unsqueeze(0) for k, v in sample.items()}
+        return loss_fn(lambda *a, **k: functional_call(model, (params, frozen, buffers), a, k), batched).squeeze(0)
+
+    return vmap(grad(one), in_dims=(None, 0), randomness="same")(params, batch)
+
+
+def clipped_sum(grads: dict[str, Tensor], max_grad_norm: float) -> tuple[dict[str, Tensor], Tensor]:
+    """Opacus' clipping: ``Σ_i min(1, C / (‖∇_i‖ + 1e-6)) ∇_i``, and the per-sample norms."""
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    return {n: torch.tensordot(coef, g, dims=1) for n, g in grads.items()}, norms

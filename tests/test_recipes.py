@@ -107,6 +107,21 @@ def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, 
         DiTTransformer2DModel.from_pretrained(module.exported_to / "transformer")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, tmp_path) -> None:
+    args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
+    args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    args += ["--trainer.precision=32", "--model.init_args.sample_images=0"]
+    args += ["--trainer.strategy=lightning_tbp.TinyBackpropStrategy", "--trainer.strategy.memory_budget=0.8"]
+    args += ["--trainer.strategy.dp=bookkeeping", "--trainer.strategy.noise_multiplier=1.0"]
+    args += config_overrides(config, image_folder, pretrained_unet)
+    cli = run_lightning_cli(args)
+    privacy = cli.trainer.strategy.privacy
+    assert cli.trainer.global_step == 1 and privacy.accountant.steps == 1 and 0 < privacy.epsilon() < float("inf")
+    assert cli.trainer.strategy.plan.current is not None
+
+
 def test_print_config_shows_the_recipe(capsys) -> None:
     with pytest.raises(SystemExit) as exit_info:
         run_lightning_cli(["fit", "-c", str(CONFIGS / "ddpm_unet_tiny.yaml"), "--print_config"])

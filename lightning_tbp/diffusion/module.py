@@ -24,6 +24,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
+from lightning_tbp.strategies.privacy import wants_per_sample_loss
 
 
 class DiffusionModule(L.LightningModule):
@@ -90,6 +91,7 @@ class DiffusionModule(L.LightningModule):
     # -- training ------------------------------------------------------------------------------
 
     def diffusion_loss(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Per-sample denoising loss, shape [B]: the mean squared error of each sample's prediction."""
         images = batch["images"]
         noise = torch.randn_like(images)
         timesteps = torch.randint(
@@ -100,12 +102,15 @@ class DiffusionModule(L.LightningModule):
             target = noise
         else:
             target = self.noise_scheduler.get_velocity(images, noise, timesteps)
-        return F.mse_loss(self.family.call(self.model, noisy, timesteps, batch).float(), target.float())
+        prediction = self.family.call(self.model, noisy, timesteps, batch).float()
+        squared_error = F.mse_loss(prediction, target.float(), reduction="none")
+        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self.diffusion_loss(batch)
-        self.log("train/loss", loss, prog_bar=True)
-        return loss
+        per_sample = self.diffusion_loss(batch)
+        self.log("train/loss", per_sample.mean(), prog_bar=True)
+        # DP strategies clip each sample's gradient, so they take the loss per sample.
+        return per_sample if wants_per_sample_loss(self._trainer) else per_sample.mean()
 
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         if self.hparams.compute_flops and self.flops_per_batch is None:
@@ -145,7 +150,7 @@ class DiffusionModule(L.LightningModule):
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self._sample_conditioning is None:
             self._sample_conditioning = {k: v for k, v in batch.items() if k != "images" and torch.is_tensor(v)}
-        loss = self.diffusion_loss(batch)
+        loss = self.diffusion_loss(batch).mean()
         self.log("val/loss", loss, prog_bar=True)
         return loss
 

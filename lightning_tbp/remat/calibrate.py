@@ -39,11 +39,15 @@ class _TensorSpec:
     needs_grad: bool
 
     def materialise(self) -> torch.Tensor:
-        tensor = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+        # Fill a flat storage, then view it with the recorded strides: strides may overlap
+        # (an ``expand``ed input has stride 0), and in-place fills refuse overlapping tensors.
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
+        storage = torch.empty(extent if all(self.shape) else 0, dtype=self.dtype, device=self.device)
         if self.dtype.is_floating_point:
-            tensor.normal_()
+            storage.normal_()
         else:
-            tensor.zero_()
+            storage.zero_()
+        tensor = storage.as_strided(self.shape, self.stride)
         return tensor.requires_grad_(self.needs_grad)
 
 

@@ -1,0 +1,158 @@
+"""DP-SGD inside a Lightning strategy: the part every tiny_backprop strategy shares.
+
+``PrivateTraining`` owns the engine, the Poisson-sampled train loader, the noise schedule and
+the accountant. The strategy calls it at four points: ``setup`` (attach the engine),
+``process_dataloader`` (re-sample the train loader), ``backward`` (clip per sample, no noise yet)
+and ``optimizer_step`` (noise once per logical batch, divide by the expected logical batch size,
+one accountant step). ``PrivacyCallback`` logs ε every epoch and carries the accountant in
+Lightning checkpoints, so a resumed run keeps the privacy it already spent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils.data import DataLoader
+
+from lightning_tbp.privacy import MODES, DPEngine, PerSampleLossError, attach
+from lightning_tbp.privacy.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise
+from lightning_tbp.privacy.sampling import poisson_loader
+
+
+@dataclass
+class PrivacyConfig:
+    """The DP options a strategy takes (see ``TinyBackpropStrategy``)."""
+
+    mode: str
+    max_grad_norm: float = 1.0
+    noise_multiplier: float | None = None
+    target_epsilon: float | None = None
+    target_delta: float = 1e-5
+    accountant: str = "prv"
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"dp must be one of {', '.join(MODES)} (or None), got {self.mode!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
+        if (self.noise_multiplier is None) == (self.target_epsilon is None):
+            raise ValueError("with dp, give exactly one of noise_multiplier and target_epsilon")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+
+
+def wants_per_sample_loss(trainer: pl.Trainer | None) -> bool:
+    """True when the Trainer's strategy trains privately, so ``training_step`` must return a [B] loss."""
+    return trainer is not None and getattr(trainer.strategy, "privacy", None) is not None
+
+
+class PrivateTraining:
+    """Per-sample clipping, Poisson sampling, noise and accounting for one LightningModule."""
+
+    def __init__(self, config: PrivacyConfig) -> None:
+        self.config = config
+        self.accountant = PrivacyAccountant(config.accountant, config.target_delta)
+        self.noise_multiplier = config.noise_multiplier
+        self.engine: DPEngine | None = None
+        self.sample_rate: float | None = None
+        self.expected_batch_size: float | None = None
+        self.callback = PrivacyCallback(self)
+
+    def setup(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            raise ValueError(
+                "DP clips each sample's gradient, which a loss scaler (precision='16-mixed') would scale "
+                "first; use precision='bf16-mixed' or 32"
+            )
+        if self.engine is None:
+            self.engine = attach(module, self.config.mode, self.config.max_grad_norm, self.noise_multiplier or 0.0)
+
+    def process_train_loader(self, loader: DataLoader, trainer: pl.Trainer) -> DataLoader:
+        micro_batches = trainer.accumulate_grad_batches
+        private = poisson_loader(loader, micro_batches)
+        sampler = private.batch_sampler
+        self.sample_rate = sampler.sample_rate
+        self.expected_batch_size = sampler.sample_rate * sampler.num_samples
+        if self.noise_multiplier is None:  # target_epsilon, and not restored from a checkpoint
+            steps = trainer.max_steps if trainer.max_steps > 0 else (trainer.max_epochs or 0) * sampler.steps
+            self.noise_multiplier = calibrate_noise(
+                self.config.target_epsilon, self.config.target_delta, self.sample_rate, steps, self.config.accountant
+            )
+            rank_zero_info(
+                f"DP: noise multiplier {self.noise_multiplier:.4f} keeps {steps} steps at sampling rate "
+                f"{self.sample_rate:.5f} within epsilon {self.config.target_epsilon} "
+                f"(delta {self.config.target_delta}, {self.config.accountant} accountant)"
+            )
+        self.engine.noise_multiplier = self.noise_multiplier
+        rank_zero_info(
+            f"DP ({self.config.mode}): Poisson sampling, expected logical batch {self.expected_batch_size:g} "
+            f"in {micro_batches} micro-batch(es), clip {self.config.max_grad_norm}, noise multiplier "
+            f"{self.noise_multiplier:.4f}"
+        )
+        return private
+
+    def backward(self, loss: torch.Tensor, trainer: pl.Trainer) -> None:
+        if loss.dim() != 1:
+            raise PerSampleLossError(
+                f"with dp={self.config.mode!r}, training_step must return the per-sample loss, shape [batch] "
+                f"(reduce every dimension but the batch, do not average over it); got shape {tuple(loss.shape)}"
+            )
+        if self.sample_rate is None:
+            raise RuntimeError("DP training needs a train DataLoader (it is re-sampled with Poisson sampling)")
+        # Lightning divided the loss by accumulate_grad_batches; clipping needs each sample's own gradient.
+        self.engine.backward(loss * trainer.accumulate_grad_batches, add_noise=False)
+
+    def finish_logical_batch(self) -> None:
+        """Noise once for the accumulated logical batch, the average over its expected size, one accountant step."""
+        self.engine.add_noise()
+        for param in self.engine.parameters:
+            if param.grad is not None:
+                param.grad.div_(self.expected_batch_size)
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def epsilon(self) -> float:
+        return self.accountant.epsilon()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "config": asdict(self.config),
+            "noise_multiplier": self.noise_multiplier,
+            **self.accountant.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.accountant.load_state_dict(state)
+        if self.config.target_epsilon is not None:
+            self.noise_multiplier = state["noise_multiplier"]  # keep the calibration the run started with
+
+    def teardown(self) -> None:
+        if self.engine is not None:
+            self.engine.detach()
+            self.engine = None
+
+
+class PrivacyCallback(Callback):
+    """Logs ε after every training epoch and stores the accountant in checkpoints."""
+
+    def __init__(self, training: PrivateTraining) -> None:
+        self.training = training
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        epsilon = self.training.epsilon()
+        pl_module.log("dp/epsilon", epsilon, on_epoch=True, on_step=False)
+        rank_zero_info(
+            f"DP: epsilon {epsilon:.3f} (delta {self.training.config.target_delta}) after "
+            f"{self.training.accountant.steps} steps"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.training.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.training.load_state_dict(state_dict)

@@ -1,0 +1,148 @@
+"""DP through the Trainer: ``TinyBackpropStrategy(dp=...)``.
+
+One Lightning step at noise 0 must move the weights by the vmap reference's clipped sum over the
+Poisson-sampled logical batch divided by its expected size; ε must equal Opacus's accountant
+stepped independently; a resumed run must keep the privacy it spent.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from dp_reference import clipped_sum, per_sample_grads
+from opacus.accountants import PRVAccountant, RDPAccountant
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import TinyBackpropStrategy
+from lightning_tbp.privacy import PerSampleLossError
+from lightning_tbp.privacy.sampling import PoissonBatchSampler
+
+N, BATCH = 64, 8
+
+
+class Regressor(L.LightningModule):
+    """A small conv net with GroupNorm; records every batch it trains on."""
+
+    def __init__(self, per_sample: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.SiLU(), nn.Flatten(), nn.Linear(64, 1)
+        )
+        self.per_sample = per_sample
+        self.seen: list[torch.Tensor] = []
+
+    def loss(self, net, x, y):
+        return (net(x).squeeze(1) - y).square()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen.append(torch.cat([x.flatten(1), y[:, None]], dim=1))
+        per_sample = self.loss(self.net, x, y)
+        return per_sample if self.per_sample else per_sample.mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1.0)
+
+    def train_dataloader(self):
+        generator = torch.Generator().manual_seed(1)
+        data = TensorDataset(torch.randn(N, 1, 4, 4, generator=generator), torch.randn(N, generator=generator))
+        return DataLoader(data, batch_size=BATCH)
+
+
+def fit(module: L.LightningModule, strategy: TinyBackpropStrategy, tmp_path, ckpt_path=None, **kwargs) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu",
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **{"enable_checkpointing": False, **kwargs},
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_one_step_moves_weights_by_the_clipped_mean(mode: str, accumulate: int, tmp_path) -> None:
+    module = Regressor()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    strategy = TinyBackpropStrategy(memory_budget=None, dp=mode, max_grad_norm=5.0, noise_multiplier=0.0)
+    fit(module, strategy, tmp_path, max_steps=1, accumulate_grad_batches=accumulate)
+    seen = torch.cat(module.seen)
+    x, y = seen[:, :16].reshape(-1, 1, 4, 4), seen[:, 16]
+    assert len(module.seen) == accumulate and len(x) > 0
+    reference = Regressor()
+    grads = per_sample_grads(reference.net, lambda call, b: reference.loss(call, b["x"], b["y"]), {"x": x, "y": y})
+    expected, norms = clipped_sum(grads, 5.0)
+    assert (norms > 5.0).any() and (norms < 5.0).any()  # some samples clipped, some not
+    for name, param in module.named_parameters():
+        step = before[name] - param.detach()  # SGD, lr 1: the gradient itself
+        want = expected[name.removeprefix("net.")] / (BATCH * accumulate)
+        torch.testing.assert_close(step, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp"])
+def test_epsilon_equals_opacus_accountant_stepped_independently(accountant: str, tmp_path) -> None:
+    strategy = TinyBackpropStrategy(memory_budget=None, dp="flash", noise_multiplier=1.1, accountant=accountant)
+    trainer = fit(Regressor(), strategy, tmp_path, max_steps=5)
+    independent = {"prv": PRVAccountant, "rdp": RDPAccountant}[accountant]()
+    for _ in range(5):
+        independent.step(noise_multiplier=1.1, sample_rate=BATCH / N)
+    assert strategy.privacy.accountant.steps == 5
+    assert strategy.privacy.epsilon() == pytest.approx(independent.get_epsilon(delta=1e-5), rel=1e-9)
+    assert float(trainer.callback_metrics["dp/epsilon"]) == pytest.approx(strategy.privacy.epsilon())
+
+
+def test_target_epsilon_is_met_at_the_planned_end_and_logged_per_epoch(tmp_path) -> None:
+    strategy = TinyBackpropStrategy(memory_budget=None, dp="bookkeeping", target_epsilon=3.0, accountant="rdp")
+    trainer = fit(Regressor(), strategy, tmp_path, max_epochs=2)
+    epsilon = strategy.privacy.epsilon()
+    assert strategy.privacy.accountant.steps == 2 * (N // BATCH)
+    assert 0.9 * 3.0 < epsilon <= 3.0
+    assert float(trainer.callback_metrics["dp/epsilon"]) == pytest.approx(epsilon)
+
+
+def test_resume_keeps_the_privacy_already_spent(tmp_path) -> None:
+    def strategy():
+        return TinyBackpropStrategy(memory_budget=None, dp="bookkeeping", noise_multiplier=0.8, accountant="rdp")
+
+    first = strategy()
+    trainer = fit(Regressor(), first, tmp_path, max_steps=4, enable_checkpointing=True)
+    checkpoint = trainer.checkpoint_callback.best_model_path
+    resumed = strategy()
+    fit(Regressor(), resumed, tmp_path, ckpt_path=checkpoint, max_steps=7)
+    independent = RDPAccountant()
+    for _ in range(7):
+        independent.step(noise_multiplier=0.8, sample_rate=BATCH / N)
+    assert resumed.privacy.accountant.steps == 7
+    assert resumed.privacy.epsilon() == pytest.approx(independent.get_epsilon(delta=1e-5), rel=1e-9)
+    assert resumed.privacy.epsilon() > first.privacy.epsilon()
+
+
+def test_poisson_batches_have_the_right_size_distribution() -> None:
+    sampler = PoissonBatchSampler(2000, 0.05, micro_batches=2, steps=400, generator=torch.Generator().manual_seed(0))
+    batches = list(sampler)
+    assert len(batches) == len(sampler) == 800
+    logical = torch.tensor([len(a) + len(b) for a, b in zip(batches[::2], batches[1::2], strict=True)]).float()
+    assert abs(float(logical.mean()) - 100) < 4 * (100 * 0.95 / 400) ** 0.5
+    assert abs(float(logical.var()) / (100 * 0.95) - 1) < 0.25
+    assert all(len(set(a) & set(b)) == 0 for a, b in zip(batches[::2], batches[1::2], strict=True))
+
+
+def test_clear_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="exactly one of noise_multiplier and target_epsilon"):
+        TinyBackpropStrategy(dp="ghost")
+    with pytest.raises(ValueError, match="exactly one of noise_multiplier and target_epsilon"):
+        TinyBackpropStrategy(dp="ghost", noise_multiplier=1.0, target_epsilon=2.0)
+    with pytest.raises(ValueError, match="dp must be one of"):
+        TinyBackpropStrategy(dp="opacus", noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="accountant must be one of"):
+        TinyBackpropStrategy(dp="ghost", noise_multiplier=1.0, accountant="gdp2")
+    strategy = TinyBackpropStrategy(memory_budget=None, dp="ghost", noise_multiplier=1.0)
+    with pytest.raises(PerSampleLossError, match=r"training_step must return the per-sample loss.*got shape \(\)"):
+        fit(Regressor(per_sample=False), strategy, tmp_path, max_steps=1)

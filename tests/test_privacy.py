@@ -139,7 +139,29 @@ def dit_case(batch: int = 4):
     return model, data, loss, lambda b: ((b["x"],), {"timestep": b["t"], "class_labels": b["labels"]})
 
 
-CASES = {"toy": toy_case, "unet": unet_case, "cond_unet": cond_unet_case, "dit": dit_case}
+class Shared(nn.Module):
+    """One Linear applied twice in a forward: per-sample gradients must sum both uses before the norm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.out = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.lin(torch.tanh(self.lin(x)))))
+
+
+def shared_case(batch: int = 6):
+    torch.manual_seed(0)
+    data = {"x": torch.randn(batch, 3, 6), "y": torch.randn(batch, 3, 2)}
+
+    def loss(call, b):
+        return (call(b["x"]) - b["y"]).square().mean(dim=(1, 2))
+
+    return Shared(), data, loss, lambda b: ((b["x"],), {})
+
+
+CASES = {"shared": shared_case, "toy": toy_case, "unet": unet_case, "cond_unet": cond_unet_case, "dit": dit_case}
 _REFERENCES: dict[str, tuple] = {}
 
 

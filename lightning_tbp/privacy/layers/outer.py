@@ -15,6 +15,9 @@ All three return the same numbers up to float rounding; they differ in memory an
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -42,8 +45,29 @@ def ghost_norm_sq(a: Tensor, g: Tensor) -> Tensor:
     return (a_gram * g_gram).sum(dim=(1, 2, 3))
 
 
+@functools.cache
+def _triton_kernel() -> Callable[[Tensor, Tensor], Tensor] | None:
+    try:
+        from lightning_tbp.privacy.kernels.flash_norm import triton_flash_norm_sq
+    except ImportError:
+        return None
+    return triton_flash_norm_sq
+
+
 def flash_norm_sq(a: Tensor, g: Tensor, tile_bytes: int = FLASH_TILE_BYTES) -> Tensor:
-    """``[B]``: squared norms of the weight gradients, one tile of output features at a time."""
+    """``[B]``: squared norms of the weight gradients, one tile at a time.
+
+    On CUDA with Triton, the fused kernel (tiles live in registers); elsewhere, tiles of output
+    features of at most ``tile_bytes`` for all samples together.
+    """
+    kernel = _triton_kernel() if a.is_cuda else None
+    if kernel is not None:
+        return kernel(a, g)
+    return chunked_flash_norm_sq(a, g, tile_bytes)
+
+
+def chunked_flash_norm_sq(a: Tensor, g: Tensor, tile_bytes: int = FLASH_TILE_BYTES) -> Tensor:
+    """The PyTorch path of ``flash_norm_sq``: per-sample gradient tiles over output features."""
     batch, groups, _, in_features = a.shape
     out_features = g.shape[3]
     per_feature = batch * groups * in_features * a.element_size()

@@ -1,0 +1,1 @@
+"""Fused kernels for per-sample norms (Triton; imported only where Triton is available)."""

@@ -9,6 +9,8 @@ from models import CASES, make_case, mlp_chain, training_step
 from torch import nn
 
 from lightning_tbp import InfeasibleBudgetError, NothingToPlanWarning, rematerialize
+from lightning_tbp.remat import Plan
+from lightning_tbp.remat.plan import BatchAboveCeilingWarning
 
 UNET = next(c for c in CASES if c.name == "unet2d_attention")
 
@@ -186,3 +188,44 @@ def test_named_minimum_does_not_depend_on_timing_noise() -> None:
             rematerialize(model, *args, memory_budget="1KiB", **kwargs)
         named.append(info.value.minimum_budget_bytes)
     assert named[0] == named[1]
+
+
+def test_batch_ceiling_plans_once_for_every_batch_size() -> None:
+    """Poisson batches (DP) vary in size: one plan, made for the ceiling, serves them all, exactly."""
+    model, _, _ = make_case(UNET)
+    plan = Plan(model, 0.6, batch_ceiling=4)
+    calls = {batch: (torch.randn(batch, 3, 32, 32), torch.arange(batch) * 7) for batch in (2, 3, 1, 4)}
+    planned = {batch: training_step(model, UNET, call, {}) for batch, call in calls.items()}
+    assert len(plan.shape_plans) == 1 and plan.current.batch_size == 4
+    assert plan.current.options, "the ceiling's plan checkpoints something"
+    with pytest.warns(BatchAboveCeilingWarning, match="above the plan's batch ceiling 4"):
+        training_step(model, UNET, (torch.randn(5, 3, 32, 32), torch.arange(5)), {})
+    assert len(plan.shape_plans) == 1
+    plan.remove()
+    for batch in (2, 3):
+        loss, grads = training_step(model, UNET, calls[batch], {})
+        assert torch.equal(planned[batch][0], loss)
+        assert all(torch.equal(planned[batch][1][k], grads[k]) for k in grads)
+
+
+def test_agreement_sees_every_plan_and_its_errors() -> None:
+    """The hook the distributed strategies use: every new plan, or the error, passes through it."""
+    model, args, kwargs = make_case(UNET)
+    seen = []
+
+    def agree(signature, local):
+        seen.append((signature, local))
+        if isinstance(local, Exception):
+            raise RuntimeError("a rank could not plan") from local
+        return local
+
+    plan = Plan(model, 0.6, agree=agree)
+    training_step(model, UNET, args, kwargs)
+    training_step(model, UNET, args, kwargs)
+    assert len(seen) == 1 and seen[0][1] is plan.current
+    plan.remove()
+    plan = Plan(model, "1KiB", agree=agree)
+    with pytest.raises(RuntimeError, match="could not plan"):
+        training_step(model, UNET, args, kwargs)
+    assert isinstance(seen[-1][1], InfeasibleBudgetError)
+    plan.remove()

@@ -4,6 +4,10 @@ A :class:`Plan` lives on one module. On each forward that builds a graph it look
 signature of the inputs; a new signature is profiled (memory-safely, see ``trace.py``), solved and
 cached, and the checkpoint wrappers switch to that signature's options. ``remove()`` takes every
 wrapper and hook off again.
+
+With ``batch_ceiling`` plans ignore the batch size (see ``signature.py``); with ``agree`` each
+new plan is passed through a function that makes every process of a distributed run adopt the
+same one (the strategies give one built on collectives; see ``strategies/distributed.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import json
 import logging
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,24 +28,30 @@ from torch.utils._pytree import tree_flatten
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
+from lightning_tbp.remat.signature import (
+    Signature,
+    batch_free_signature,
+    batch_size_of,
+    expand_batch,
+    input_signature,
+)
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
 from lightning_tbp.remat.trace import Trace, record_trace
 
 log = logging.getLogger("lightning_tbp")
 
-Signature = tuple
+# Called on every process with its input signature and its own plan (or the error planning
+# raised); returns the plan all processes use, or raises on all of them.
+Agreement = Callable[[Signature, "ShapePlan | Exception"], "ShapePlan"]
 
 
 class NothingToPlanWarning(UserWarning):
     """The module has no block that a checkpoint could wrap; it runs unchanged."""
 
 
-def input_signature(args: tuple, kwargs: dict) -> Signature:
-    """Shapes, dtypes and devices of the tensors in a call, plus the call's structure."""
-    leaves, spec = tree_flatten((args, kwargs))
-    tensors = tuple((tuple(t.shape), t.dtype, t.device.type) for t in leaves if isinstance(t, torch.Tensor))
-    return (str(spec), tensors)
+class BatchAboveCeilingWarning(UserWarning):
+    """A batch larger than the plan's batch ceiling ran with the ceiling's plan."""
 
 
 @dataclass
@@ -59,6 +70,7 @@ class ShapePlan:
     """The plan for one input signature."""
 
     signature: Signature
+    batch_size: int | None  # leading size of the inputs it was profiled with
     options: dict[str, Option]
     cache_limits: dict[str, int]  # per selective block: heavy-op outputs its checkpoint caches
     budget_bytes: int
@@ -92,12 +104,28 @@ class ShapePlan:
 class Plan:
     """A rematerialization plan installed on a module; see :func:`rematerialize`."""
 
-    def __init__(self, module: nn.Module, memory_budget: object = "auto", *, measure: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        memory_budget: object = "auto",
+        *,
+        measure: bool = False,
+        batch_ceiling: int | None = None,
+        agree: Agreement | None = None,
+    ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
-        gradients, so reports show the predicted against the measured peak."""
+        gradients, so reports show the predicted against the measured peak.
+
+        ``batch_ceiling``: plan once per batch-free signature, for this many samples, and use
+        that plan for every batch size (a larger batch warns: its peak may pass the budget).
+        ``agree``: see :data:`Agreement`."""
+        if batch_ceiling is not None and batch_ceiling < 1:
+            raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         self.module = module
         self.measure = measure
+        self.batch_ceiling = batch_ceiling
+        self.agree = agree
         self._meter: contextlib.ExitStack | None = None
         self._meter_result: AllocatorPeak | None = None
         self.budget: MemoryBudget = parse_budget(memory_budget)
@@ -112,18 +140,45 @@ class Plan:
     # -- planning ---------------------------------------------------------------------------------
     def plan_for(self, args: tuple, kwargs: dict) -> ShapePlan:
         """Profile, solve and activate the plan for this call's input signature (cached)."""
-        signature = input_signature(args, kwargs)
-        shape_plan = self.shape_plans.get(signature)
+        batch = batch_size_of(args, kwargs)
+        key = input_signature(args, kwargs) if self.batch_ceiling is None else batch_free_signature(args, kwargs)
+        shape_plan = self.shape_plans.get(key)
         if shape_plan is None:
-            shape_plan = self._solve(signature, args, kwargs)
-            self.shape_plans[signature] = shape_plan
+            plan_args, plan_kwargs = (
+                (args, kwargs) if self.batch_ceiling is None else expand_batch(args, kwargs, self.batch_ceiling)
+            )
+            shape_plan = self._agreed_solve(input_signature(plan_args, plan_kwargs), plan_args, plan_kwargs)
+            self.shape_plans[key] = shape_plan
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
             device = _device_of(self.module, args, kwargs)
-            if self.measure and self._meter is None and self._comparable_step() and _can_meter(device):
+            # a smaller batch than the profiled one cannot be checked against the prediction
+            comparable = batch == shape_plan.batch_size and self._comparable_step()
+            if self.measure and self._meter is None and comparable and _can_meter(device):
                 self._meter = contextlib.ExitStack()
                 self._meter_result = self._meter.enter_context(allocator_peak(device))
+        elif self.batch_ceiling is not None:
+            self._check_ceiling(batch)
         self._activate(shape_plan)
         return shape_plan
+
+    def _agreed_solve(self, signature: Signature, args: tuple, kwargs: dict) -> ShapePlan:
+        if self.agree is None:
+            return self._solve(signature, args, kwargs)
+        try:
+            local: ShapePlan | Exception = self._solve(signature, args, kwargs)
+        except Exception as error:  # every process must reach the agreement, so errors go through it
+            local = error
+        return self.agree(signature, local)
+
+    def _check_ceiling(self, batch: int | None) -> None:
+        assert self.batch_ceiling is not None
+        if batch is not None and batch > self.batch_ceiling:
+            warnings.warn(
+                f"lightning_tbp: a batch of {batch} samples is above the plan's batch ceiling "
+                f"{self.batch_ceiling}; it runs with the ceiling's plan and its peak may pass the budget",
+                BatchAboveCeilingWarning,
+                stacklevel=5,
+            )
 
     def _comparable_step(self) -> bool:
         """A step can be checked against the prediction only if it starts without gradients.
@@ -194,6 +249,7 @@ class Plan:
             options, planned, solve_seconds = solution.options, solution.result, solution.solve_seconds
         shape_plan = ShapePlan(
             signature=signature,
+            batch_size=batch_size_of(args, kwargs),
             options={trace.nodes[i].path: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
             cache_limits={
                 trace.nodes[i].path: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE

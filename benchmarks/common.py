@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,15 +48,14 @@ def measure_step(
     trials: int,
     reference_grads: dict[str, torch.Tensor] | None = None,
     count_flops: bool = True,
+    warmup: int = 1,
 ) -> StepMeasurement:
     """Warm up, then: exact peak (CPU profiler events or CUDA allocator), FLOPs, median time."""
     device = next(model.parameters()).device
 
-    def fresh_step() -> None:
+    for _ in range(warmup):  # (and compilation, for compiled models)
         model.zero_grad(set_to_none=True)
         step()
-
-    fresh_step()  # warm-up (and compilation, for compiled models)
     model.zero_grad(set_to_none=True)
     peak = measure_peak(step, device).peak_bytes
     grads = grads_of(model)
@@ -64,15 +65,55 @@ def measure_step(
         with FlopCounterMode(display=False, custom_mapping=FLOP_FORMULAS) as counter:
             step()
         flops = counter.get_total_flops()
-    times = []
-    for _ in range(trials):
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
+    seconds = statistics.median(timed_step(model, step, device) for _ in range(trials))
     diff = max_rel_diff(grads, reference_grads) if reference_grads is not None else None
-    return StepMeasurement(peak, flops, statistics.median(times), diff)
+    return StepMeasurement(peak, flops, seconds, diff)
+
+
+def timed_step(model: nn.Module, step: Callable[[], None], device: torch.device) -> float:
+    """Seconds of one step that starts without gradients."""
+    model.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def median_times_in_turns(
+    runs: list[tuple[nn.Module, Callable[[], None]]], trials: int, device: torch.device
+) -> list[float]:
+    """Median step seconds of each (model, step), timed round-robin: on a shared machine whose
+    speed drifts, every run then sees the same drift and their ratios stay meaningful."""
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(trials):
+        for spent, (model, step) in zip(times, runs, strict=True):
+            spent.append(timed_step(model, step, device))
+    return [statistics.median(spent) for spent in times]
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the file-only backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def device_label(machine: dict[str, Any]) -> str:
+    return machine.get("gpu", machine["processor"])
+
+
+def write_result(result: dict[str, Any], out: Path, name: str, plot: Callable[[dict[str, Any]], Any]) -> None:
+    """``out/name.json`` and ``out/name.png``, the figure that ``plot`` draws from the result."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    figure = plot(result)
+    figure.tight_layout()
+    figure.savefig(out / f"{name}.png", dpi=120)
+    pyplot().close(figure)
+    print(f"wrote {out / name}.json and .png")

@@ -30,20 +30,15 @@ from diffusers import UNet2DModel
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cases import REFERENCE_UNET
 from common import StepMeasurement, grads_of, measure_step
+from methods import compile_with_budget, reset_compile_budget
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.simulate import Option
 
-REFERENCE_UNET = {
-    "sample_size": 64,
-    "block_out_channels": (32, 64, 64, 128),
-    "layers_per_block": 2,
-    "down_block_types": ("DownBlock2D", "DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
-    "up_block_types": ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D", "UpBlock2D"),
-}
 TBP_BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35)
 COMPILE_BUDGETS = (1.0, 0.5, 0.1)
 
@@ -164,34 +159,6 @@ def run(args: argparse.Namespace) -> dict:
         },
         "rows": rows,
     }
-
-
-def compile_with_budget(model: nn.Module, backend: str, budget: float) -> Callable:
-    """``torch.compile`` under ``activation_memory_budget``.
-
-    "inductor" is what users run. "aot_eager_min_cut" keeps AOTAutograd's min-cut partitioner (the
-    part that honours the budget) but runs eager kernels, so its memory effect can be seen with
-    exact gradients: on this CPU, torch 2.13's Inductor backward differs from eager (see the
-    ``grad_max_rel_diff`` column).
-    """
-    import torch._functorch.config as functorch_config
-    from functorch.compile import min_cut_rematerialization_partition, nop
-    from torch._dynamo.backends.common import aot_autograd
-
-    torch._dynamo.reset()
-    functorch_config.activation_memory_budget = budget
-    if backend == "inductor":
-        return torch.compile(model)
-    return torch.compile(
-        model, backend=aot_autograd(fw_compiler=nop, bw_compiler=nop, partition_fn=min_cut_rematerialization_partition)
-    )
-
-
-def reset_compile_budget() -> None:
-    import torch._functorch.config as functorch_config
-
-    functorch_config.activation_memory_budget = 1.0
-    torch._dynamo.reset()
 
 
 def step_inputs(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

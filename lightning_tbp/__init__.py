@@ -1,12 +1,19 @@
 """lightning-tbp: train and fine-tune diffusion models in far less memory with PyTorch Lightning.
 
-``import lightning_tbp`` registers the ``"tiny_backprop"`` strategy with Lightning;
+``import lightning_tbp`` registers the ``"tiny_backprop"`` strategies with Lightning (one device,
+``_ddp``, ``_ddp_spawn``, ``_fsdp``, ``_fsdp2``);
 ``MemoryProfilerCallback`` reports where a training step's memory goes.
 """
 
 from lightning_tbp.callbacks import MemoryProfilerCallback
 from lightning_tbp.remat import InfeasibleBudgetError, NothingToPlanWarning, Plan, rematerialize
-from lightning_tbp.strategies import TinyBackpropStrategy, register_strategies
+from lightning_tbp.strategies import (
+    TinyBackpropDDPStrategy,
+    TinyBackpropFSDP2Strategy,
+    TinyBackpropFSDPStrategy,
+    TinyBackpropStrategy,
+    register_strategies,
+)
 
 register_strategies()
 
@@ -15,6 +22,9 @@ __all__ = [
     "MemoryProfilerCallback",
     "NothingToPlanWarning",
     "Plan",
+    "TinyBackpropDDPStrategy",
+    "TinyBackpropFSDP2Strategy",
+    "TinyBackpropFSDPStrategy",
     "TinyBackpropStrategy",
     "rematerialize",
 ]

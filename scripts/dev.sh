@@ -3,6 +3,8 @@
 #   bash scripts/dev.sh main    -> environment + the main job (tbp fit -c configs/ddpm_unet_tiny.yaml:
 #                                  CPU DDPM run with the plan and memory reports, samples, export)
 #   bash scripts/dev.sh test    -> environment + lint + the whole test suite
+#   bash scripts/dev.sh verify  -> environment + lint + tests + small-profile benchmarks checked against
+#                                  benchmarks/verify.yaml; summary in outputs/verify/summary.json
 #   bash scripts/dev.sh env     -> only create/refresh the environment (.venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,7 +39,10 @@ case "$cmd" in
     ensure_env
     "$VENV/bin/ruff" check .
     "$VENV/bin/python" -m pytest "$@" ;;
+  verify)
+    ensure_env
+    "$VENV/bin/python" benchmarks/verify.py "$@" ;;
   *)
-    echo "usage: bash scripts/dev.sh {main|test|env} [args...]" >&2
+    echo "usage: bash scripts/dev.sh {main|test|verify|env} [args...]" >&2
     exit 2 ;;
 esac

@@ -124,6 +124,27 @@ def test_resume_keeps_the_privacy_already_spent(tmp_path) -> None:
     assert resumed.privacy.epsilon() > first.privacy.epsilon()
 
 
+class NonEmptyRegressor(Regressor):
+    """Fails on a batch of no samples, as many real models do."""
+
+    def training_step(self, batch, batch_idx):
+        assert len(batch[0]) > 0, "the strategy passed an empty micro-batch to training_step"
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        return DataLoader(super().train_dataloader().dataset, batch_size=1)
+
+
+def test_empty_poisson_micro_batches_skip_the_forward_and_still_step(tmp_path) -> None:
+    """Micro-batches of expected size 1 are often empty: no forward for them, but every logical
+    batch is still one optimizer step with its noise and one accountant step."""
+    module = NonEmptyRegressor()
+    strategy = TinyBackpropStrategy(memory_budget=None, dp="bookkeeping", noise_multiplier=1.0)
+    trainer = fit(module, strategy, tmp_path, max_steps=10, accumulate_grad_batches=2)
+    assert trainer.global_step == 10 and strategy.privacy.accountant.steps == 10
+    assert len(module.seen) < 20  # some of the 20 micro-batches were empty and skipped
+
+
 def test_poisson_batches_have_the_right_size_distribution() -> None:
     sampler = PoissonBatchSampler(2000, 0.05, micro_batches=2, steps=400, generator=torch.Generator().manual_seed(0))
     batches = list(sampler)

@@ -35,6 +35,7 @@ def test_dropout_is_really_active_in_the_dit_case() -> None:
     assert not torch.equal(loss_a, loss_b)
 
 
+@pytest.mark.usefixtures("flop_priced_plans")
 def test_tight_budgets_nest_and_loose_ones_recompute_no_heavy_op() -> None:
     """A tight budget on a U-Net yields a multi-level plan; a loose one is met by keeping every
     convolution/matmul output (selective or lazy blocks), so no heavy op is recomputed."""

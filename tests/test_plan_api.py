@@ -202,6 +202,11 @@ def test_batch_ceiling_plans_once_for_every_batch_size() -> None:
         training_step(model, UNET, (torch.randn(5, 3, 32, 32), torch.arange(5)), {})
     assert len(plan.shape_plans) == 1
     plan.remove()
+    tight = Plan(model, "1KiB", batch_ceiling=4)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        training_step(model, UNET, calls[2], {})
+    assert any("batch ceiling, 4 samples" in note for note in error.value.__notes__)
+    tight.remove()
     for batch in (2, 3):
         loss, grads = training_step(model, UNET, calls[batch], {})
         assert torch.equal(planned[batch][0], loss)
@@ -229,3 +234,15 @@ def test_agreement_sees_every_plan_and_its_errors() -> None:
         training_step(model, UNET, args, kwargs)
     assert isinstance(seen[-1][1], InfeasibleBudgetError)
     plan.remove()
+
+
+def test_planning_in_the_forward_runs_the_module_hooks_once() -> None:
+    """The plan profiles from the module's own pre-hook; the module's hooks must not run for the
+    profiling pass too (FSDP2's post-forward hook would reshard the gathered parameters)."""
+    model, args, kwargs = make_case(UNET)
+    calls = {"pre": 0, "post": 0}
+    model.register_forward_pre_hook(lambda *_: calls.__setitem__("pre", calls["pre"] + 1))
+    Plan(model, 0.6)
+    model.register_forward_hook(lambda *_: calls.__setitem__("post", calls["post"] + 1))
+    training_step(model, UNET, args, kwargs)
+    assert calls == {"pre": 1, "post": 1}

@@ -19,10 +19,9 @@ from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from dp_reference import clipped_sum, per_sample_grads
 from torch import nn
 
-from lightning_tbp import rematerialize
-from lightning_tbp.privacy import MODES, PerSampleLossError, UnsupportedLayerError, attach
+from lightning_tbp.privacy import BACKWARD_PASSES, MODES, PerSampleLossError, UnsupportedLayerError, attach
 from lightning_tbp.privacy.layers import outer
-from lightning_tbp.remat.simulate import Option
+from lightning_tbp.remat import Option, Plan
 
 
 class Toy(nn.Module):
@@ -196,7 +195,9 @@ def dp_step(name: str, mode: str, plan_budget: float | None = None):
     plan = None
     if plan_budget is not None:
         args, kwargs = call_args(data)
-        plan = rematerialize(model, *args, memory_budget=plan_budget, **kwargs)
+        plan = Plan(model, plan_budget, backward_passes=BACKWARD_PASSES[mode])
+        with torch.enable_grad():
+            plan.plan_for(args, kwargs)
     engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
     try:
         model.zero_grad(set_to_none=True)
@@ -217,10 +218,36 @@ def test_every_mode_equals_the_vmap_clipped_sum(name: str, mode: str) -> None:
     dp_step(name, mode)
 
 
+@pytest.mark.usefixtures("flop_priced_plans")  # selective blocks win wherever a one-pass plan may use them
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["unet", "cond_unet", "dit"])
 def test_every_mode_is_exact_with_the_rematerialization_plan(name: str, mode: str) -> None:
     dp_step(name, mode, plan_budget=0.6)
+
+
+@pytest.mark.usefixtures("flop_priced_plans")
+def test_two_pass_modes_get_plans_without_selective_blocks_and_a_clear_error_otherwise() -> None:
+    """Torch's selective checkpoint hands its cache to the first backward only; ghost and flash
+    backpropagate twice. Plans for two passes leave selective blocks out; a one-pass plan under
+    ghost fails with an error that says what to do."""
+    model, data, loss, call_args, *_ = reference("unet")
+    args, kwargs = call_args(data)
+    chosen = {}
+    for passes in (1, 2):
+        plan = Plan(model, 0.6, backward_passes=passes)
+        with torch.enable_grad():
+            plan.plan_for(args, kwargs)
+        chosen[passes] = set(plan.current.options.values())
+        if passes == 1:
+            engine = attach(model, mode="ghost", max_grad_norm=1.0, noise_multiplier=0.0)
+            with pytest.raises(RuntimeError, match=r"backward_passes=2"):
+                engine.backward(loss(model, data))
+            engine.detach()
+        plan.remove()
+    assert Option.SELECTIVE in chosen[1]
+    assert Option.SELECTIVE not in chosen[2] and chosen[2] - {Option.KEEP}
+    with pytest.raises(ValueError, match="backward_passes"):
+        Plan(model, 0.6, backward_passes=0)
 
 
 def test_norm_methods_agree_and_the_cost_rule_picks_per_layer() -> None:

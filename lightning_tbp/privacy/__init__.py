@@ -4,10 +4,11 @@
 module; the Lightning strategy builds on it.
 """
 
-from lightning_tbp.privacy.engine import MODES, DPEngine, PerSampleLossError, attach
+from lightning_tbp.privacy.engine import BACKWARD_PASSES, MODES, DPEngine, PerSampleLossError, attach
 from lightning_tbp.privacy.layers import LayerHandler, UnsupportedLayerError, register, supported_types
 
 __all__ = [
+    "BACKWARD_PASSES",
     "MODES",
     "DPEngine",
     "LayerHandler",

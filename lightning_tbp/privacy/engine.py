@@ -31,6 +31,9 @@ from lightning_tbp.privacy.layers import handler_for, trainable
 from lightning_tbp.privacy.layers.registry import LayerHandler
 
 MODES = ("ghost", "flash", "bookkeeping", "flash_bookkeeping")
+#: Backward passes over one forward's graph per mode: a rematerialization plan for a graph
+#: backpropagated twice must not use selective blocks (``Plan(backward_passes=...)``).
+BACKWARD_PASSES = {"ghost": 2, "flash": 2, "bookkeeping": 1, "flash_bookkeeping": 1}
 _CLIP_EPSILON = 1e-6  # as Opacus: c_i = min(1, C / (‖∇_i‖ + 1e-6))
 
 
@@ -167,7 +170,7 @@ class DPEngine:
             )
         self._shared = self._check_graph(loss)
         self._norm_sq = torch.zeros(loss.shape[0], dtype=torch.float32, device=loss.device)
-        two_pass = self.mode in ("ghost", "flash")
+        two_pass = BACKWARD_PASSES[self.mode] == 2
         try:
             self._phase = "norms" if two_pass else "book"
             torch.autograd.backward(loss.sum(), retain_graph=two_pass)
@@ -175,7 +178,7 @@ class DPEngine:
             coef = self.clip_coefficients
             if two_pass:
                 self._phase = "sum"
-                torch.autograd.backward((loss * coef.to(loss.dtype)).sum())
+                self._second_backward((loss * coef.to(loss.dtype)).sum())
             else:
                 for slot, saved, grad_output in self._book:
                     self._accumulate(slot, slot.handler.clipped_sum(slot.module, saved, grad_output, coef))
@@ -183,6 +186,24 @@ class DPEngine:
             self._phase, self._book, self._pending = None, [], {}
         if add_noise:
             self.add_noise()
+
+    @property
+    def backward_passes(self) -> int:
+        """Backward passes over each forward's graph; give it to ``Plan(backward_passes=...)``."""
+        return BACKWARD_PASSES[self.mode]
+
+    def _second_backward(self, weighted_loss: Tensor) -> None:
+        try:
+            torch.autograd.backward(weighted_loss)
+        except RuntimeError as error:
+            if "selective activation checkpoint" not in str(error):
+                raise
+            raise RuntimeError(
+                f"DP mode {self.mode!r} backpropagates each graph twice, and a selective checkpoint in the "
+                "model gives its cached outputs to the first backward only. Make the rematerialization plan "
+                f"with Plan(..., backward_passes={self.backward_passes}) (engine.backward_passes), which "
+                "plans without selective blocks, or use a one-pass mode (bookkeeping, flash_bookkeeping)"
+            ) from error
 
     def add_noise(self) -> None:
         """Add N(0, (sigma·C)²) to every trainable parameter's gradient (once per logical batch)."""

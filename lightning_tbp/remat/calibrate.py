@@ -78,7 +78,7 @@ class OpCalibrator:
         self.event_keys[event] = key
         if workspace:
             self._workspace_keys.add(key)
-        if not _is_view(func):
+        if not _is_view(func) and not _is_communication(func):
             self._timed_keys.add(key)
 
     def measure_times(self) -> dict[int, float]:
@@ -107,6 +107,15 @@ def _is_view(func: Any) -> bool:
     """An op whose outputs alias an input without writing to it (view, transpose, expand, ...)."""
     returns = func._schema.returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _is_communication(func: Any) -> bool:
+    """Collectives (FSDP2's all-gathers run inside the forward): timing one alone on one process
+    would wait for the others forever, and no plan recomputes them."""
+    return func.namespace in _COMMUNICATION_NAMESPACES
+
+
+_COMMUNICATION_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 
 
 def _synchronise(device: torch.device) -> None:

@@ -112,6 +112,7 @@ class Plan:
         measure: bool = False,
         batch_ceiling: int | None = None,
         agree: Agreement | None = None,
+        backward_passes: int = 1,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -119,9 +120,15 @@ class Plan:
 
         ``batch_ceiling``: plan once per batch-free signature, for this many samples, and use
         that plan for every batch size (a larger batch warns: its peak may pass the budget).
-        ``agree``: see :data:`Agreement`."""
+        ``agree``: see :data:`Agreement`.
+        ``backward_passes``: how often one forward's graph is backpropagated (2 under DP's
+        ghost and flash modes, which retain it for a second pass); above 1, plans use no selective
+        blocks, whose cache torch hands to the first backward only."""
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
+        if backward_passes < 1:
+            raise ValueError(f"backward_passes must be at least 1, got {backward_passes}")
+        self.backward_passes = backward_passes
         self.module = module
         self.measure = measure
         self.batch_ceiling = batch_ceiling
@@ -135,6 +142,7 @@ class Plan:
         self._cache_limits: dict[str, int] = {}
         self._wrappers = InstalledWrappers(module, self._active, self._cache_limits)
         self._planning = False
+        self._inside_call = False  # planning from the module's own forward pre-hook
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
 
     # -- planning ---------------------------------------------------------------------------------
@@ -192,7 +200,11 @@ class Plan:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._planning or not torch.is_grad_enabled():
             return
-        self.plan_for(args, kwargs)
+        self._inside_call = True
+        try:
+            self.plan_for(args, kwargs)
+        finally:
+            self._inside_call = False
 
     def finish_measurement(self) -> ShapePlan | None:
         """Stop a running meter (call after the backward); returns the plan it measured."""
@@ -210,13 +222,13 @@ class Plan:
         self._active.clear()  # profile the plain module, not a previous plan
         try:
             start = time.perf_counter()
-            trace = record_trace(self.module, args, kwargs)
+            trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call)
             profile_seconds = time.perf_counter() - start
         finally:
             self._active.update(active)
             self._planning = False
         simulator = Simulator(trace)
-        solver = Solver(simulator)
+        solver = Solver(simulator, selective=self.backward_passes == 1)
         naive = solver.naive()
         device = _device_of(self.module, args, kwargs)
         budget_bytes = self.budget.resolve(naive.peak_bytes, device)
@@ -236,6 +248,11 @@ class Plan:
                 solution = solver.solve(budget_bytes)
             except InfeasibleBudgetError as error:
                 if not self.budget.is_fraction_default(device):
+                    if self.batch_ceiling is not None:
+                        error.add_note(
+                            f"the plan is made for the batch ceiling, {self.batch_ceiling} samples per call "
+                            "(Poisson batches vary in size), so the budget must hold a batch that large"
+                        )
                     raise
                 warnings.warn(
                     f"lightning_tbp: memory_budget='auto' means {self.budget.describe_resolved(device)} here, "

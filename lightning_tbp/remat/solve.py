@@ -80,8 +80,12 @@ class Solution:
 class Solver:
     """Greedy, replay-guided search over nested checkpoint plans for one trace."""
 
-    def __init__(self, simulator: Simulator) -> None:
+    def __init__(self, simulator: Simulator, *, selective: bool = True) -> None:
+        """``selective=False`` leaves selective blocks out of every plan: torch's selective
+        checkpoint hands its cached outputs to the first backward only, so a graph that is
+        backpropagated twice (DP's ghost and flash modes) cannot use them."""
         self.sim = simulator
+        self.options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
         trace = simulator.trace
         self.nodes = trace.nodes
         n = len(self.nodes)
@@ -223,9 +227,9 @@ class Solver:
                 continue
             full = freed_full[node.index] - self._kept_inputs(node.index, snapshot, lca)
             selective = full - self._cache_bytes(node.index, snapshot, lca)
-            prices[node.index, Option.FULL] = (self._cost_of(node.index, Option.FULL), full)
-            prices[node.index, Option.SELECTIVE] = (self._cost_of(node.index, Option.SELECTIVE), selective)
-            prices[node.index, Option.LAZY] = (self._cost_of(node.index, Option.LAZY), selective)
+            freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective}
+            for option in self.options:
+                prices[node.index, option] = (self._cost_of(node.index, option), freed[option])
         self._prices = prices
         return prices
 
@@ -236,7 +240,7 @@ class Solver:
         if index == 0:
             return value_keep
         best_value, best_option = value_keep, Option.KEEP
-        for option in (Option.FULL, Option.SELECTIVE, Option.LAZY):
+        for option in self.options:
             if (index, option) in prices:
                 cost, freed = prices[index, option]
                 if cost - lam * freed < best_value:
@@ -278,7 +282,7 @@ class Solver:
                 moves.append((i, Option.FULL))
             elif not checkpointed_above and plain_below:  # a full block whose recompute is the peak
                 moves.append((i, Option.LAZY))
-        return moves
+        return [move for move in moves if move[1] in self.options]
 
     def subtree_planned(self, index: int, options: list[Option]) -> bool:
         return any(options[j] != Option.KEEP for j in range(index + 1, self.subtree_end[index]))
@@ -423,7 +427,7 @@ class Solver:
                 softer = [Option.KEEP]
                 outermost = not any(options[a] != Option.KEEP for a in self.ancestors[index])
                 if options[index] == Option.FULL and outermost:
-                    softer += list(_SOFT)
+                    softer += [option for option in _SOFT if option in self.options]
                 for option in softer:
                     candidate = list(options)
                     candidate[index] = option

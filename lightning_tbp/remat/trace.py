@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -265,11 +266,16 @@ def _frozen_buffers(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved[name])
 
 
-def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
+def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: bool = False) -> Trace:
     """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
 
     Random number generators are forked so the profiling pass does not shift the training run's
     random stream (dropout stays reproducible), and buffers are restored afterwards.
+
+    ``inside_call``: the caller is one of ``module``'s own forward pre-hooks, so the hooks
+    before it already ran for this call; the profile then runs ``module.forward`` alone. Calling
+    the module again would run its hooks twice: FSDP2's post-forward hook, for one, would reshard
+    the parameters that its pre-forward hook gathered for the real forward.
     """
     trace = Trace()
     root = Node(index=0, path="", parent=-1)
@@ -322,7 +328,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             recorder,
         ):
-            output = module(*args, **kwargs)
+            output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
             recorder.finish()
             trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
             recorder.recording = False  # what dies now dies with the forward's result
@@ -346,8 +352,15 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict) -> Trace:
     if repeated:
         _drop_repeated(trace, repeated)
     root.first_event, root.last_event = 0, trace.num_events - 1
-    trace.parameter_grad_bytes = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    trace.parameter_grad_bytes = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
     return trace
+
+
+def _local_bytes(param: torch.Tensor) -> int:
+    """Bytes of this process's part of ``param``: its shard when FSDP2 sharded it into a DTensor
+    (its gradient is a shard too), all of it otherwise."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    return local.numel() * local.element_size()
 
 
 def _drop_repeated(trace: Trace, repeated: set[str]) -> None:

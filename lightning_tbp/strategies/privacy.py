@@ -10,6 +10,7 @@ Lightning checkpoints, so a resumed run keeps the privacy it already spent.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
 from lightning_tbp.privacy import MODES, DPEngine, PerSampleLossError, attach
@@ -61,9 +63,18 @@ class PrivateTraining:
         self.engine: DPEngine | None = None
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
+        self.micro_batch_ceiling: int | None = None
+        self.gradient_sum: Callable[[list[torch.Tensor]], None] | None = None
         self.callback = PrivacyCallback(self)
 
-    def setup(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+    def setup(
+        self,
+        trainer: pl.Trainer,
+        module: torch.nn.Module,
+        gradient_sum: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> None:
+        """``gradient_sum``: sums gradients over the processes in place (None: one process)."""
+        self.gradient_sum = gradient_sum
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         if scaler is not None:
             raise ValueError(
@@ -73,12 +84,16 @@ class PrivateTraining:
         if self.engine is None:
             self.engine = attach(module, self.config.mode, self.config.max_grad_norm, self.noise_multiplier or 0.0)
 
-    def process_train_loader(self, loader: DataLoader, trainer: pl.Trainer) -> DataLoader:
+    def process_train_loader(
+        self, loader: DataLoader, trainer: pl.Trainer, rank: int = 0, world_size: int = 1
+    ) -> DataLoader:
+        """Poisson logical batches; with several processes each draws from its own share of the data."""
         micro_batches = trainer.accumulate_grad_batches
-        private = poisson_loader(loader, micro_batches)
+        private = poisson_loader(loader, micro_batches, rank, world_size)
         sampler = private.batch_sampler
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * sampler.num_samples
+        self.micro_batch_ceiling = sampler.micro_batch_ceiling()
         if self.noise_multiplier is None:  # target_epsilon, and not restored from a checkpoint
             steps = trainer.max_steps if trainer.max_steps > 0 else (trainer.max_epochs or 0) * sampler.steps
             self.noise_multiplier = calibrate_noise(
@@ -92,8 +107,8 @@ class PrivateTraining:
         self.engine.noise_multiplier = self.noise_multiplier
         rank_zero_info(
             f"DP ({self.config.mode}): Poisson sampling, expected logical batch {self.expected_batch_size:g} "
-            f"in {micro_batches} micro-batch(es), clip {self.config.max_grad_norm}, noise multiplier "
-            f"{self.noise_multiplier:.4f}"
+            f"over {world_size} process(es) in {micro_batches} micro-batch(es), clip {self.config.max_grad_norm}, "
+            f"noise multiplier {self.noise_multiplier:.4f}"
         )
         return private
 
@@ -108,12 +123,27 @@ class PrivateTraining:
         # Lightning divided the loss by accumulate_grad_batches; clipping needs each sample's own gradient.
         self.engine.backward(loss * trainer.accumulate_grad_batches, add_noise=False)
 
-    def finish_logical_batch(self) -> None:
-        """Noise once for the accumulated logical batch, the average over its expected size, one accountant step."""
-        self.engine.add_noise()
+    @staticmethod
+    def is_empty(batch: object) -> bool:
+        """Whether a micro-batch holds no sample (Poisson sampling can draw none)."""
+        leaves = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
+        return bool(leaves) and leaves[0].shape[0] == 0
+
+    def finish_logical_batch(self, add_noise: bool = True) -> None:
+        """Noise once for the logical batch, the average over its expected size, one accountant step.
+
+        With several processes each holds the clipped sum of its own samples: one process adds
+        the noise (``add_noise``), the sums are added up, so the global batch gets noise once."""
+        if add_noise or self.gradient_sum is None:
+            self.engine.add_noise()
+        grads = []
         for param in self.engine.parameters:
-            if param.grad is not None:
-                param.grad.div_(self.expected_batch_size)
+            if param.grad is None:  # no sample on this process reached it (an empty micro-batch)
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        if self.gradient_sum is not None:
+            self.gradient_sum(grads)
+        torch._foreach_div_(grads, self.expected_batch_size)
         self.accountant.step(self.noise_multiplier, self.sample_rate)
 
     def epsilon(self) -> float:

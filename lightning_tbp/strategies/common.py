@@ -1,0 +1,220 @@
+"""What every tiny_backprop strategy adds to its Lightning base: the plan and DP-SGD.
+
+``TinyBackpropMixin`` goes first in the bases of each strategy (single device, DDP, FSDP,
+FSDP2); every method calls ``super()`` so the Lightning strategy underneath keeps its own
+behaviour (precision plugin, accumulation, clipping, hooks, DDP's reducer, FSDP's sharding). The
+plan only wraps blocks of the model in checkpoints, so ``loss.backward()`` itself recomputes what
+the plan dropped. It is made lazily on the first training forward (the first batch fixes the
+shapes), re-made for each new input shape, and logged with the predicted peak; the first step
+that reuses a plan is metered and the measured peak logged next to it. In a run of several
+processes every rank plans, and all adopt rank 0's plan (see :meth:`_agree_on_plan`).
+
+With ``dp=...`` the backward becomes DP-SGD's (see :mod:`lightning_tbp.strategies.privacy`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from traceback import format_exception_only
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.optim import Optimizer
+
+from lightning_tbp.privacy import BACKWARD_PASSES
+from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
+from lightning_tbp.remat.signature import Signature
+from lightning_tbp.strategies.privacy import PrivacyConfig, PrivateTraining
+
+
+class PlanAgreementError(RuntimeError):
+    """The processes of a distributed run could not agree on one plan (raised on every rank)."""
+
+
+class TinyBackpropMixin:
+    """The options and hooks shared by the tiny_backprop strategies.
+
+    Args:
+        memory_budget: peak bytes allowed for the model's forward + backward, per device; see
+            :mod:`lightning_tbp.remat.budget` ("auto", a fraction, bytes or "6GiB"). None: no
+            plan (DP alone).
+        target: attribute path (e.g. ``"unet"``) of the submodule to plan inside the
+            LightningModule. Default: the direct child with the most trainable parameters.
+        dp: train with differential privacy: ``"ghost"``, ``"flash"``, ``"bookkeeping"`` or
+            ``"flash_bookkeeping"`` (None: no DP). ``training_step`` must then return the
+            per-sample loss, shape [batch].
+        max_grad_norm: the per-sample clipping threshold C.
+        noise_multiplier: sigma (noise std sigma·C on the summed gradient); or instead
+        target_epsilon: calibrate sigma so the planned steps spend at most this epsilon.
+        target_delta: the delta of (epsilon, delta)-DP.
+        accountant: ``"prv"`` (default) or ``"rdp"``, Opacus's accountants.
+    """
+
+    def __init__(
+        self,
+        memory_budget: object = "auto",
+        target: str | None = None,
+        dp: str | None = None,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float = 1e-5,
+        accountant: str = "prv",
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        # fail on bad options before training
+        self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
+        self.privacy = (
+            None
+            if dp is None
+            else PrivateTraining(
+                PrivacyConfig(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
+            )
+        )
+        self.target = target
+        self.plan: Plan | None = None
+        self._reported: set[int] = set()
+
+    # -- the parts of the Lightning strategy API that change --------------------------------------
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        trainer = self.lightning_module.trainer
+        if self.privacy is not None and self.privacy.callback not in trainer.callbacks:
+            # before Lightning restores callback states from a checkpoint: the accountant rides on it
+            trainer.callbacks.append(self.privacy.callback)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == "fit" and self.privacy is not None:
+            self.privacy.setup(trainer, self.lightning_module, self._gradient_sum())
+        if trainer.state.fn == "fit" and self.plan is None and self.memory_budget is not None:
+            module, path = self.target_module()
+            agree = self._agree_on_plan if self.world_size > 1 else None
+            passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
+            self.plan = Plan(module, self.memory_budget, measure=True, agree=agree, backward_passes=passes)
+            rank_zero_info(
+                f"tiny_backprop: planning {path or type(module).__name__} ({type(module).__name__}) "
+                f"under budget {self.memory_budget.describe()} per device at its first training batch"
+            )
+
+    def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
+        """How DP sums the ranks' clipped gradients (None: one process, nothing to sum)."""
+        return None
+
+    def target_module(self) -> tuple[nn.Module, str]:
+        """The submodule the plan covers, and its attribute path."""
+        model = self.lightning_module
+        assert model is not None
+        if self.target is not None:
+            return model.get_submodule(self.target), self.target
+        children = [
+            (sum(p.numel() for p in child.parameters() if p.requires_grad), name, child)
+            for name, child in model.named_children()
+        ]
+        children = [c for c in children if c[0] > 0]
+        if not children:
+            return model, ""
+        _, name, child = max(children, key=lambda c: c[0])
+        return child, name
+
+    def _agree_on_plan(self, signature: Signature, local: ShapePlan | Exception) -> ShapePlan:
+        """Every rank planned; all adopt rank 0's plan, or all raise if any rank failed.
+
+        Plans are solved from measured op times, which differ between processes, so each rank's
+        own solution may differ; adopting one makes every rank recompute the same blocks. A rank
+        whose input shapes differ from rank 0's, or that could not plan, stops all of them here
+        (one collective, so no rank is left waiting)."""
+        report = (signature, local if isinstance(local, ShapePlan) else "".join(format_exception_only(local)).strip())
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, report)
+        failures = [f"rank {rank}: {plan}" for rank, (_, plan) in enumerate(gathered) if isinstance(plan, str)]
+        if failures:
+            error = PlanAgreementError("tiny_backprop could not plan on every rank:\n" + "\n".join(failures))
+            raise error from (local if isinstance(local, Exception) else None)
+        if any(other != gathered[0][0] for other, _ in gathered):
+            shapes = "\n".join(f"rank {rank}: {sig[1]}" for rank, (sig, _) in enumerate(gathered))
+            raise PlanAgreementError(
+                f"ranks planned for different input shapes; every rank must see the same:\n{shapes}"
+            )
+        return gathered[0][1]
+
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self.lightning_module.trainer
+        if self.privacy is not None and trainer.state.stage == RunningStage.TRAINING:
+            dataloader = self.privacy.process_train_loader(dataloader, trainer, self.global_rank, self.world_size)
+            if self.plan is not None:
+                # Poisson batches vary in size: one plan per shape, made for a batch no rank will exceed
+                self.plan.batch_ceiling = self.privacy.micro_batch_ceiling
+        return dataloader
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.privacy is not None and self.privacy.is_empty(args[0] if args else None):
+            return None  # a Poisson micro-batch can be empty: no forward; noise still comes at the step
+        return super().training_step(*args, **kwargs)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if self.privacy is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # Lightning's chain with the engine's backward in the middle (see Strategy.backward).
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self.privacy.backward(closure_loss, module.trainer)
+        self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.privacy is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_noise() -> Any:
+            result = closure()  # the last micro-batch's forward and backward
+            self.privacy.finish_logical_batch(add_noise=self.global_rank == 0)
+            return result
+
+        return super().optimizer_step(optimizer, closure_then_noise, model, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.plan is None:
+            return
+        current = self.plan.current
+        if current is not None and id(current) not in self._reported:
+            self._reported.add(id(current))
+            rank_zero_info(f"tiny_backprop plan:\n{self.plan.report(current)}")
+        measured = self.plan.finish_measurement()
+        if measured is not None and measured.measured_peak_bytes is not None:
+            rank_zero_info(
+                f"tiny_backprop: measured peak {format_bytes(measured.measured_peak_bytes)} vs predicted "
+                f"{format_bytes(measured.predicted_peak_bytes)} "
+                f"({measured.measured_peak_bytes / measured.predicted_peak_bytes:.3f}x) on rank 0"
+            )
+
+    def memory_report_config(self) -> dict[str, Any]:
+        """What ``MemoryProfilerCallback`` records about this strategy: the plan in force, the DP mode."""
+        dp = (
+            None if self.privacy is None else {**self.privacy.state_dict()["config"], "epsilon": self.privacy.epsilon()}
+        )
+        if self.plan is None or self.plan.current is None:
+            return {"plan": None, "dp": dp}
+        summary = self.plan.to_dict()
+        for detail in ("blocks", "edges", "signature"):
+            summary.pop(detail)
+        return {"plan": summary, "dp": dp}
+
+    def teardown(self) -> None:
+        if self.privacy is not None:
+            self.privacy.teardown()
+        if self.plan is not None:
+            self.plan.remove()  # the module is restored; the plan object stays for its reports
+        super().teardown()

@@ -1,0 +1,166 @@
+"""The tiny_backprop strategies for several devices: DDP, FSDP (CUDA) and FSDP2.
+
+Each is Lightning's own strategy with :class:`TinyBackpropMixin` in front, so sharding,
+launching, checkpoints and the fault handling of Lightning's launchers (a rank that raises takes
+the others down) stay Lightning's. What changes:
+
+* every rank plans its own shard of the batch and all adopt rank 0's plan (one
+  ``all_gather_object`` per new input shape, which also reports an infeasible budget on any rank
+  to all of them); the budget is per device, and memory held before the forward (sharded
+  parameters, DDP buckets, optimizer state after the first step) is outside it;
+* with ``dp=...`` under DDP the model is not wrapped in ``DistributedDataParallel``: the privacy
+  engine writes each rank's clipped per-sample sum into ``.grad`` itself, so DDP's reducer would
+  wait for gradients autograd never accumulates. The sums are all-reduced once per logical batch
+  instead, after rank 0 alone added the noise, and divided by the global expected batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_tbp.strategies.common import TinyBackpropMixin
+
+
+def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
+    """Sum ``tensors`` over all processes in place, one flat buffer per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        flat = _flatten_dense_tensors(group)
+        dist.all_reduce(flat)
+        for tensor, summed in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            tensor.copy_(summed)
+
+
+class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
+    """DDP (one process per device) with the plan and, optionally, DP-SGD across ranks.
+
+    Takes the options of :class:`~lightning_tbp.strategies.common.TinyBackpropMixin` and those of
+    Lightning's ``DDPStrategy`` (``start_method``, ``find_unused_parameters``, ...).
+    """
+
+    strategy_name = "tiny_backprop_ddp"
+
+    def configure_ddp(self) -> None:
+        if self.privacy is None:
+            super().configure_ddp()
+            return
+        _sync_module_states(self.model)  # what DDP's constructor does: every rank starts from rank 0's weights
+
+    def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
+        return all_reduce_sum
+
+
+class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
+    """FSDP (``FullyShardedDataParallel``, CUDA only) with the plan; use FSDP2 or DDP for DP."""
+
+    strategy_name = "tiny_backprop_fsdp"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("dp") is not None:
+            raise ValueError("dp is not available with tiny_backprop_fsdp; use tiny_backprop_ddp")
+        super().__init__(*args, **kwargs)
+
+    def setup_environment(self) -> None:
+        if self.root_device.type != "cuda":
+            raise ValueError(
+                f"tiny_backprop_fsdp (FSDP1) runs on CUDA devices only, not {self.root_device.type}; "
+                "use tiny_backprop_fsdp2 (CPU with gloo, or GPUs) or tiny_backprop_ddp"
+            )
+        super().setup_environment()
+
+
+def shard_blocks(module: nn.Module, **fully_shard_kwargs: Any) -> list[str]:
+    """FSDP2: ``fully_shard`` each entry of the outermost ``ModuleList`` s of ``module`` (the
+    down/up stages of a U-Net, the blocks of a DiT), then ``module`` itself; returns the paths.
+
+    One unit per stage or block keeps only one unsharded at a time (plus the root's small layers)."""
+    from torch.distributed.fsdp import fully_shard
+
+    paths = []
+    for name, child in module.named_modules():
+        inside = any(name.startswith(f"{p}.") for p in paths)
+        if isinstance(child, nn.ModuleList) and not inside:
+            paths += [f"{name}.{index}" if name else str(index) for index in range(len(child))]
+    for path in paths:
+        fully_shard(module.get_submodule(path), **fully_shard_kwargs)
+    fully_shard(module, **fully_shard_kwargs)
+    return paths
+
+
+class _ShardingModelParallel(ModelParallelStrategy):
+    """Lightning's ``ModelParallelStrategy`` used for pure data parallelism with FSDP2 applied
+    by the strategy: the model needs no ``configure_model``, the mesh is data-parallel only."""
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        self._tensor_parallel_size = 1
+        super().setup_environment()
+
+    def setup(self, trainer: Any) -> None:
+        # ModelParallelStrategy.setup without its demand that configure_model applied the parallelism
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.apply_fsdp2()
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        Strategy.setup(self, trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def apply_fsdp2(self) -> None:
+        raise NotImplementedError
+
+
+class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
+    """FSDP2 (``fully_shard``) data parallelism with the plan, on GPUs or on CPU with gloo.
+
+    The plan's target module is sharded per stage/block (see :func:`shard_blocks`) unless the
+    LightningModule's ``configure_model`` already applied ``fully_shard``. Every trainable
+    parameter must live in the target (parameters outside it would not be synchronised).
+    ``reshard_after_forward``: FSDP2's option (True frees the unsharded weights after each
+    unit's forward, at the cost of a second all-gather in the backward).
+    """
+
+    strategy_name = "tiny_backprop_fsdp2"
+
+    def __init__(self, *args: Any, reshard_after_forward: bool = True, **kwargs: Any) -> None:
+        if kwargs.get("dp") is not None:
+            raise ValueError(
+                "dp is not available with tiny_backprop_fsdp2 yet (the privacy engine needs plain "
+                "parameters, FSDP2 shards them into DTensors); use tiny_backprop_ddp"
+            )
+        super().__init__(*args, **kwargs)
+        self.reshard_after_forward = reshard_after_forward
+
+    def apply_fsdp2(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if any(isinstance(m, FSDPModule) for m in self.lightning_module.modules()):
+            return  # the user's configure_model sharded it
+        target, path = self.target_module()
+        outside = [
+            name
+            for name, param in self.lightning_module.named_parameters()
+            if param.requires_grad and not any(param is p for p in target.parameters())
+        ]
+        if outside:
+            raise ValueError(
+                f"tiny_backprop_fsdp2 shards {path or 'the LightningModule'} only, but these trainable "
+                f"parameters live outside it and would not be synchronised: {', '.join(outside[:8])}; "
+                "set target= to a module holding all of them, or shard in configure_model"
+            )
+        mesh = self.device_mesh["data_parallel"]
+        shard_blocks(target, mesh=mesh, reshard_after_forward=self.reshard_after_forward)

@@ -1,0 +1,121 @@
+"""Two-process CPU (gloo) runs of the multi-device strategies; run as a script, since Lightning's
+launcher re-runs argv for rank 1.
+
+python multi_device.py SCENARIO OUT_DIR
+
+Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless said):
+  ddp, fsdp2   4 SGD steps with the plan on a deterministic regression; final parameters
+               (params.pt), the plan each rank ran (plan_rank{r}.json), memory JSON per rank (ddp)
+  dp_ddp       one DP step (bookkeeping, noise 0): initial weights, each rank's sample indices,
+               the gradient the optimizer saw (dp.pt, indices_rank{r}.pt)
+  dp_noise     one DP step with noise 1 and a loss whose gradient is 0: the gradient is the noise
+  raise        rank 1 raises at its second step
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from models import tiny_unet
+
+from lightning_tbp import MemoryProfilerCallback
+
+SAMPLES = 8
+PER_RANK_BATCH = 2
+
+
+def regression_data() -> TensorDataset:
+    generator = torch.Generator().manual_seed(7)
+    x = torch.randn(SAMPLES, 3, 32, 32, generator=generator)
+    y = torch.randn(SAMPLES, 3, 32, 32, generator=generator)
+    t = torch.arange(SAMPLES) * 97 % 1000
+    return TensorDataset(torch.arange(SAMPLES), x, t, y)
+
+
+class Regressor(L.LightningModule):
+    """Deterministic per-sample loss (no random noise), so runs of any layout can be compared."""
+
+    def __init__(self, scenario: str, out: Path) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = tiny_unet()
+        self.scenario, self.out = scenario, out
+        self.seen: list[torch.Tensor] = []  # sample indices per step
+
+    def training_step(self, batch, batch_idx):
+        index, x, t, y = batch
+        if self.scenario == "raise" and self.global_rank == 1 and batch_idx == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+        self.seen.append(index)
+        torch.save(self.seen, self.out / f"indices_rank{self.global_rank}.pt")
+        per_sample = (self.net(x, t).sample - y).pow(2).flatten(1).mean(1)
+        if self.scenario == "dp_noise":
+            per_sample = per_sample * 0
+        return per_sample if self.scenario.startswith("dp") else per_sample.mean()
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 0:
+            torch.save({k: v.detach().clone() for k, v in self.net.state_dict().items()}, self.out / "initial.pt")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        if self.scenario.startswith("dp") and self.global_rank == 0:
+            grads = {name: p.grad.clone() for name, p in self.net.named_parameters()}
+            torch.save(
+                {"grads": grads, "expected_batch": self.trainer.strategy.privacy.expected_batch_size},
+                self.out / "dp.pt",
+            )
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+if __name__ == "__main__":
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    out.mkdir(parents=True, exist_ok=True)
+    strategy = {"ddp": "tiny_backprop_ddp", "fsdp2": "tiny_backprop_fsdp2"}.get(scenario, "tiny_backprop_ddp")
+    if scenario.startswith("dp"):
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        noise = 1.0 if scenario == "dp_noise" else 0.0
+        strategy = TinyBackpropDDPStrategy(
+            memory_budget=0.6, dp="bookkeeping", max_grad_norm=1e-3, noise_multiplier=noise
+        )
+    model = Regressor(scenario, out)
+    callbacks = (
+        [MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=out / "memory")]
+        if scenario == "ddp"
+        else []
+    )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=2,
+        max_steps=1 if scenario.startswith("dp") else 4,
+        logger=False,
+        default_root_dir=out,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    trainer.fit(model, DataLoader(regression_data(), batch_size=PER_RANK_BATCH))
+    plan = trainer.strategy.plan
+    rank = trainer.global_rank
+    if plan is not None and plan.current is not None:
+        options = {path: option.name for path, option in plan.current.options.items()}
+        (out / f"plan_rank{rank}.json").write_text(json.dumps(options))
+    state = full_state(model.net)
+    if rank == 0:
+        torch.save(state, out / "params.pt")

@@ -1,0 +1,147 @@
+"""The multi-device strategies, run for real: two CPU processes over gloo (slow: each run starts
+two Python processes). Lightning's launcher re-runs the script, so each run is a subprocess of
+``scripts/multi_device.py``; the single-process references are computed here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import StrategyRegistry
+
+sys.path.insert(0, str(Path(__file__).parent / "scripts"))
+from dp_reference import clipped_sum, per_sample_grads
+from multi_device import PER_RANK_BATCH, Regressor, regression_data
+
+import lightning_tbp  # noqa: F401  (registers the strategies)
+from lightning_tbp import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
+
+SCRIPT = Path(__file__).parent / "scripts" / "multi_device.py"
+WORLD = 2
+
+
+# set by a Trainer that ran in this process; a child that inherits LOCAL_RANK thinks an outside
+# launcher started it and waits for a rank 1 that never comes
+LAUNCH_VARIABLES = ("LOCAL_RANK", "NODE_RANK", "GLOBAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_two_processes(scenario: str, out: Path, timeout: int = 240) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), scenario, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=out.parent,
+        env=env,
+    )
+
+
+def global_batches(out: Path) -> list[torch.Tensor]:
+    """Per step, the sample indices of all ranks together (Lightning's sampler shuffles)."""
+    per_rank = [torch.load(out / f"indices_rank{r}.pt") for r in range(WORLD)]
+    return [torch.cat(step) for step in zip(*per_rank, strict=True)]
+
+
+def single_process_params(batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Plain autograd, no plan, one process, on the global batches the two ranks shared."""
+    model = Regressor("reference", Path("."))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = regression_data()
+    for indices in batches:
+        _, x, t, y = data[indices]
+        optimizer.zero_grad()
+        (model.net(x, t).sample - y).pow(2).mean().backward()
+        optimizer.step()
+    return {name: p.detach() for name, p in model.net.named_parameters()}
+
+
+def test_registered_with_their_lightning_bases() -> None:
+    for name in ("tiny_backprop_ddp", "tiny_backprop_ddp_spawn", "tiny_backprop_fsdp", "tiny_backprop_fsdp2"):
+        assert name in StrategyRegistry
+    assert StrategyRegistry["tiny_backprop_ddp_spawn"]["init_params"] == {"start_method": "spawn"}
+    with pytest.raises(ValueError, match="tiny_backprop_ddp"):
+        TinyBackpropFSDPStrategy(dp="ghost", noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="dp is not available with tiny_backprop_fsdp2"):
+        TinyBackpropFSDP2Strategy(dp="ghost", noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="is not valid"):
+        TinyBackpropDDPStrategy(memory_budget="lots")
+
+
+def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
+    for name in LAUNCH_VARIABLES:  # the Trainer sets them; monkeypatch restores them afterwards
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+        if not os.environ[name]:
+            monkeypatch.delenv(name)
+    trainer = L.Trainer(strategy="tiny_backprop_fsdp", accelerator="cpu", devices=1, max_steps=1, logger=False)
+    with pytest.raises(ValueError, match="CUDA devices only"):
+        trainer.fit(Regressor("reference", tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2"])
+def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
+    out = tmp_path / scenario
+    result = run_two_processes(scenario, out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    params = torch.load(out / "params.pt")
+    batches = global_batches(out)
+    assert len(batches) == 4 and all(len(b) == PER_RANK_BATCH * WORLD for b in batches)
+    reference = single_process_params(batches)
+    for name, ref in reference.items():
+        torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+    plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
+    assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
+    assert any(option != "KEEP" for option in plans[0].values())
+    if scenario == "ddp":
+        records = [json.loads((out / "memory" / f"memory_rank{r}.json").read_text()) for r in range(WORLD)]
+        assert [r["rank"] for r in records] == [0, 1]
+        assert all(r["config"]["plan"]["predicted_peak_bytes"] > 0 and r["world_size"] == WORLD for r in records)
+
+
+@pytest.mark.slow
+def test_dp_ddp_at_noise_zero_is_the_clipped_sum_of_the_global_batch(tmp_path) -> None:
+    out = tmp_path / "dp"
+    result = run_two_processes("dp_ddp", out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = torch.load(out / "dp.pt")
+    (indices,) = global_batches(out)
+    assert saved["expected_batch"] == pytest.approx(PER_RANK_BATCH * WORLD)
+    model = Regressor("reference", Path("."))
+    model.net.load_state_dict(torch.load(out / "initial.pt"))
+    _, x, t, y = regression_data()[indices]
+
+    def per_sample_loss(net, batch):
+        return (net(batch["x"], batch["t"]).sample - batch["y"]).pow(2).flatten(1).mean(1)
+
+    grads = per_sample_grads(model.net, per_sample_loss, {"x": x, "t": t, "y": y})
+    expected, _ = clipped_sum(grads, max_grad_norm=1e-3)
+    for name, grad in saved["grads"].items():
+        torch.testing.assert_close(grad, expected[name] / saved["expected_batch"], rtol=1e-5, atol=1e-9, msg=name)
+
+
+@pytest.mark.slow
+def test_dp_ddp_adds_noise_once_for_the_global_batch(tmp_path) -> None:
+    """Zero per-sample gradients: the averaged gradient is pure noise of std sigma·C / expected batch."""
+    out = tmp_path / "noise"
+    result = run_two_processes("dp_noise", out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    saved = torch.load(out / "dp.pt")
+    noise = torch.cat([g.flatten() for g in saved["grads"].values()])
+    expected_std = 1.0 * 1e-3 / saved["expected_batch"]
+    assert noise.numel() > 50_000
+    # noise from both ranks would be sqrt(2) = 1.41x larger; from none, 0
+    assert noise.std().item() == pytest.approx(expected_std, rel=0.03)
+
+
+@pytest.mark.slow
+def test_an_exception_on_rank_1_stops_the_run_with_its_message(tmp_path) -> None:
+    result = run_two_processes("raise", tmp_path / "raise", timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -42,6 +43,8 @@ class Breakdown:
 def _storages_bytes(tensors: Iterable[torch.Tensor], device_type: str, seen: set[int]) -> int:
     total = 0
     for tensor in tensors:
+        if isinstance(tensor, DTensor):  # FSDP2's sharded parameters: this process holds its shard
+            tensor = tensor.to_local()
         if tensor.device.type != device_type:
             continue
         storage = tensor.untyped_storage()

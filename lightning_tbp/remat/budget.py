@@ -6,12 +6,15 @@ Accepted forms (anything else raises ``ValueError`` listing them):
   checkpoint, measured above the memory held before the forward);
 * an int: bytes;
 * a string with a unit, "6GiB", "512MiB", "1.5GB", "300kB" (binary units are powers of 1024,
-  decimal ones powers of 1000);
+  decimal ones powers of 1000). Given to ``rematerialize``, bytes bound the step's peak above
+  what was held before it; given to a strategy, they are the device's total, and the
+  parameters and optimizer state it holds (``HeldMemory``) come off first;
 * "auto": on CUDA, the device's free memory at planning time minus a margin of
-  ``AUTO_CUDA_MARGIN`` of its total memory (room for optimizer state created at the first step,
-  allocator fragmentation and the loss); on other devices ``AUTO_DEFAULT_FRACTION`` of the naive
-  peak, since host memory gives no useful bound; a model that cannot reach that fraction is
-  planned at its minimum feasible budget, with a warning.
+  ``AUTO_CUDA_MARGIN`` of its total memory (room for allocator fragmentation and the loss) and,
+  under a strategy, minus the optimizer state that the first step will create; on other
+  devices ``AUTO_DEFAULT_FRACTION`` of the naive peak, since host memory gives no useful bound;
+  a model that cannot reach that fraction is planned at its minimum feasible budget, with a
+  warning.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import re
 from dataclasses import dataclass
 
 import torch
+
+from lightning_tbp.memory.held import HeldMemory
 
 AUTO_CUDA_MARGIN = 0.10
 AUTO_DEFAULT_FRACTION = 0.5
@@ -48,14 +53,19 @@ class MemoryBudget:
     kind: str  # "fraction", "bytes" or "auto"
     value: float = 0.0
 
-    def resolve(self, naive_peak_bytes: int, device: torch.device) -> int:
+    def resolve(self, naive_peak_bytes: int, device: torch.device, held: HeldMemory | None = None) -> int:
+        """Bytes the step may peak at. With ``held`` (what training keeps on the device outside
+        the step), a byte budget is the device's total: the held bytes come off it; "auto" on
+        CUDA leaves room for the optimizer state still to come (the rest is already not free).
+        A fraction is of the step's own naive peak and ignores ``held``."""
+        held = held or HeldMemory()
         if self.kind == "bytes":
-            return int(self.value)
+            return int(self.value) - held.total
         if self.kind == "fraction":
             return int(self.value * naive_peak_bytes)
         if device.type == "cuda":
             free, total = torch.cuda.mem_get_info(device)
-            return max(0, int(free - AUTO_CUDA_MARGIN * total))
+            return max(0, int(free - AUTO_CUDA_MARGIN * total) - held.optimizer_state_pending)
         return int(AUTO_DEFAULT_FRACTION * naive_peak_bytes)
 
     def is_fraction_default(self, device: torch.device) -> bool:

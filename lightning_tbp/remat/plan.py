@@ -13,6 +13,7 @@ same one (the strategies give one built on collectives; see ``strategies/distrib
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
@@ -73,7 +75,8 @@ class ShapePlan:
     batch_size: int | None  # leading size of the inputs it was profiled with
     options: dict[str, Option]
     cache_limits: dict[str, int]  # per selective block: heavy-op outputs its checkpoint caches
-    budget_bytes: int
+    budget_bytes: int  # for the step, after what training holds outside it
+    held: HeldMemory | None
     naive: SimResult
     planned: SimResult
     forward_flops: int
@@ -113,6 +116,7 @@ class Plan:
         batch_ceiling: int | None = None,
         agree: Agreement | None = None,
         backward_passes: int = 1,
+        held: Callable[[], HeldMemory] | None = None,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -123,12 +127,16 @@ class Plan:
         ``agree``: see :data:`Agreement`.
         ``backward_passes``: how often one forward's graph is backpropagated (2 under DP's
         ghost and flash modes, which retain it for a second pass); above 1, plans use no selective
-        blocks, whose cache torch hands to the first backward only."""
+        blocks, whose cache torch hands to the first backward only.
+        ``held``: what training keeps on the device outside the step (parameters, optimizer
+        state), asked at each new plan; a byte budget is then the device's total (see
+        :meth:`MemoryBudget.resolve`)."""
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
             raise ValueError(f"backward_passes must be at least 1, got {backward_passes}")
         self.backward_passes = backward_passes
+        self.held = held
         self.module = module
         self.measure = measure
         self.batch_ceiling = batch_ceiling
@@ -231,7 +239,8 @@ class Plan:
         solver = Solver(simulator, selective=self.backward_passes == 1)
         naive = solver.naive()
         device = _device_of(self.module, args, kwargs)
-        budget_bytes = self.budget.resolve(naive.peak_bytes, device)
+        held = self.held() if self.held is not None else None
+        budget_bytes = self.budget.resolve(naive.peak_bytes, device, held)
         plannable = [n for n in trace.nodes[1:] if n.has_events]
         if not plannable:
             warnings.warn(
@@ -248,6 +257,13 @@ class Plan:
                 solution = solver.solve(budget_bytes)
             except InfeasibleBudgetError as error:
                 if not self.budget.is_fraction_default(device):
+                    if held is not None and self.budget.kind == "bytes":
+                        error.add_note(
+                            f"the budget {self.budget.describe()} is the device's total, and training holds "
+                            f"{_describe_held(held)} outside the step, which leaves {format_bytes(budget_bytes)}; "
+                            f"a device budget of {format_bytes(error.minimum_budget_bytes + held.total)} "
+                            f"({error.minimum_budget_bytes + held.total} bytes) or more fits"
+                        )
                     if self.batch_ceiling is not None:
                         error.add_note(
                             f"the plan is made for the batch ceiling, {self.batch_ceiling} samples per call "
@@ -272,6 +288,7 @@ class Plan:
                 trace.nodes[i].path: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
             },
             budget_bytes=budget_bytes,
+            held=held,
             naive=naive,
             planned=planned,
             forward_flops=sum(trace.event_flops),
@@ -325,8 +342,13 @@ class Plan:
             )
         lines += [
             "-" * len(header),
-            f"budget {format_bytes(sp.budget_bytes)} ({self.budget.describe()}); "
-            f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
+            (
+                f"device budget {self.budget.describe()} less {_describe_held(sp.held)} held outside the step "
+                f"leaves {format_bytes(sp.budget_bytes)} for the step; "
+                if sp.held is not None and self.budget.kind == "bytes"
+                else f"budget {format_bytes(sp.budget_bytes)} ({self.budget.describe()}); "
+            )
+            + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
             f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
             f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}",
             *(
@@ -350,6 +372,7 @@ class Plan:
             "module": type(self.module).__name__,
             "signature": [[*t[0], str(t[1]), t[2]] for t in sp.signature[1]],
             "budget": {"spec": self.budget.describe(), "bytes": sp.budget_bytes},
+            "held_bytes": None if sp.held is None else dataclasses.asdict(sp.held),
             "naive_peak_bytes": sp.naive.peak_bytes,
             "predicted_peak_bytes": sp.predicted_peak_bytes,
             "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
@@ -383,6 +406,14 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({type(self.module).__name__}, budget={self.budget.describe()}, shapes={len(self.shape_plans)})"
+
+
+def _describe_held(held: HeldMemory) -> str:
+    pending = f", {format_bytes(held.optimizer_state_pending)} of it made at the first step"
+    return (
+        f"{format_bytes(held.total)} (parameters {format_bytes(held.parameters)}, optimizer state "
+        f"{format_bytes(held.optimizer_state)}{pending if held.optimizer_state_pending else ''})"
+    )
 
 
 def _can_meter(device: torch.device) -> bool:

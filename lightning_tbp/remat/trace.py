@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
@@ -352,15 +352,8 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
     if repeated:
         _drop_repeated(trace, repeated)
     root.first_event, root.last_event = 0, trace.num_events - 1
-    trace.parameter_grad_bytes = sum(_local_bytes(p) for p in module.parameters() if p.requires_grad)
+    trace.parameter_grad_bytes = sum(local_bytes(p) for p in module.parameters() if p.requires_grad)
     return trace
-
-
-def _local_bytes(param: torch.Tensor) -> int:
-    """Bytes of this process's part of ``param``: its shard when FSDP2 sharded it into a DTensor
-    (its gradient is a shard too), all of it otherwise."""
-    local = param.to_local() if isinstance(param, DTensor) else param
-    return local.numel() * local.element_size()
 
 
 def _drop_repeated(trace: Trace, repeated: set[str]) -> None:

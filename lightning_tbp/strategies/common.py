@@ -26,6 +26,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 
+from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.signature import Signature
@@ -40,9 +41,10 @@ class TinyBackpropMixin:
     """The options and hooks shared by the tiny_backprop strategies.
 
     Args:
-        memory_budget: peak bytes allowed for the model's forward + backward, per device; see
-            :mod:`lightning_tbp.remat.budget` ("auto", a fraction, bytes or "6GiB"). None: no
-            plan (DP alone).
+        memory_budget: per device; see :mod:`lightning_tbp.remat.budget`. A fraction is of the
+            step's naive peak; bytes ("6GiB") are the device's total, from which the parameters
+            and optimizer state held (its first step's state predicted) come off before the
+            step is planned; "auto" is the free memory on CUDA. None: no plan (DP alone).
         target: attribute path (e.g. ``"unet"``) of the submodule to plan inside the
             LightningModule. Default: the direct child with the most trainable parameters.
         dp: train with differential privacy: ``"ghost"``, ``"flash"``, ``"bookkeeping"`` or
@@ -97,11 +99,18 @@ class TinyBackpropMixin:
             module, path = self.target_module()
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
-            self.plan = Plan(module, self.memory_budget, measure=True, agree=agree, backward_passes=passes)
+            self.plan = Plan(
+                module, self.memory_budget, measure=True, agree=agree, backward_passes=passes, held=self.held_memory
+            )
             rank_zero_info(
                 f"tiny_backprop: planning {path or type(module).__name__} ({type(module).__name__}) "
                 f"under budget {self.memory_budget.describe()} per device at its first training batch"
             )
+
+    def held_memory(self) -> HeldMemory:
+        """This device's parameters (shards, EMA copies included) and optimizer state, the part
+        its first step will create included: a byte budget is the device's total, less these."""
+        return held_memory(self.lightning_module, self.optimizers, self.root_device)
 
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
         """How DP sums the ranks' clipped gradients (None: one process, nothing to sum)."""

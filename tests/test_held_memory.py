@@ -1,0 +1,68 @@
+"""A strategy's byte budget is the device's total: parameters and optimizer state come off first."""
+
+import pytest
+import torch
+from test_strategy import fit
+from torch import nn
+
+from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
+from lightning_tbp.memory.held import held_memory, state_copies_per_parameter
+
+
+@pytest.mark.parametrize(
+    ("make", "copies"),
+    [
+        (lambda p: torch.optim.SGD(p, lr=0.1), 0),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), 1),
+        (lambda p: torch.optim.Adam(p), 2),
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), 3),  # AdamW's defaults hold a key __init__ refuses
+        (lambda p: torch.optim.RMSprop(p, momentum=0.9, centered=True), 3),
+    ],
+)
+def test_state_copies_come_from_a_real_step_of_a_twin(make, copies) -> None:
+    assert state_copies_per_parameter(make([nn.Parameter(torch.zeros(3))])) == copies
+
+
+def test_predicted_optimizer_state_is_what_the_first_step_creates() -> None:
+    net = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8))
+    optimizer = torch.optim.AdamW(net.parameters())
+    before = held_memory(net, [optimizer], torch.device("cpu"))
+    param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
+    assert before.parameters == param_bytes
+    assert before.optimizer_state == before.optimizer_state_pending == 2 * param_bytes
+    net(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    after = held_memory(net, [optimizer], torch.device("cpu"))
+    assert after.optimizer_state_pending == 0
+    step_counters = 8 * len(list(net.parameters()))  # one float scalar per parameter, at most 8 bytes
+    assert 2 * param_bytes <= after.optimizer_state <= 2 * param_bytes + step_counters
+
+
+def test_a_device_budget_holds_parameters_optimizer_state_and_the_step(data) -> None:
+    """The plan gets the device budget less what is held; the measured step (with Adam's state
+    by then real) fits in what is left, so the device total stays within the budget."""
+    trainer, _, _ = fit("tiny_backprop", data, max_steps=1)
+    naive = trainer.strategy.plan.current.naive.peak_bytes
+    held = trainer.strategy.plan.current.held
+    assert held.optimizer_state_pending == held.optimizer_state > 0  # planned before the first step
+    budget = held.total + int(0.6 * naive)
+    trainer, _, _ = fit(TinyBackpropStrategy(memory_budget=budget), data, max_steps=3)
+    plan = trainer.strategy.plan
+    shape_plan = plan.current
+    assert shape_plan.budget_bytes == budget - shape_plan.held.total
+    assert shape_plan.predicted_peak_bytes < naive  # the held bytes forced a real plan
+    assert "device budget" in plan.report() and plan.to_dict()["held_bytes"]["parameters"] > 0
+    now_held = trainer.strategy.held_memory()
+    assert now_held.optimizer_state_pending == 0
+    assert now_held.total + shape_plan.measured_peak_bytes <= budget
+
+
+def test_a_device_budget_below_what_is_held_says_so(data) -> None:
+    with pytest.raises(InfeasibleBudgetError, match="device's total") as caught:
+        fit(TinyBackpropStrategy(memory_budget="4MiB"), data, max_steps=1)
+    assert "optimizer state" in str(caught.value.__notes__)
+
+
+@pytest.fixture(scope="module")
+def data() -> torch.Tensor:
+    return torch.randn(16, 3, 32, 32, generator=torch.Generator().manual_seed(7))

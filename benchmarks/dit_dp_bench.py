@@ -71,7 +71,8 @@ def build_dit(config: dict[str, Any]) -> nn.Module:
 
 
 def run_mode(mode: str, config: dict[str, Any], device: torch.device, trials: int, warmup: int) -> dict[str, Any]:
-    """Measure ``trials`` training steps of ``mode`` in this process."""
+    """Measure ``trials`` training steps of ``mode`` in this process (under a rematerialization
+    plan when ``config["plan_budget"]`` is set)."""
     from lightning_tbp.memory.breakdown import Breakdown
     from lightning_tbp.memory.stages import stage_meter_for
 
@@ -85,6 +86,13 @@ def run_mode(mode: str, config: dict[str, Any], device: torch.device, trials: in
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     criterion = PerSampleMSE()
     sigma, clip = config["noise_multiplier"], config["max_grad_norm"]
+    plan = None
+    if config.get("plan_budget") is not None:
+        from lightning_tbp.privacy import BACKWARD_PASSES
+        from lightning_tbp.remat import Plan
+
+        # planned at the first forward, from a profile with the DP taps in place
+        plan = Plan(model, config["plan_budget"], backward_passes=BACKWARD_PASSES.get(mode, 1))
     engine = None
     if mode in OUR_MODES:
         from lightning_tbp.privacy import attach
@@ -179,6 +187,14 @@ def run_mode(mode: str, config: dict[str, Any], device: torch.device, trials: in
         "median_time_ms": statistics.median(times),
         "step_times_ms": times,
         "breakdown": breakdown.as_mib(),
+        "plan": None
+        if plan is None
+        else {
+            "budget": config["plan_budget"],
+            "predicted_peak_mb": plan.current.predicted_peak_bytes / 2**20,
+            "naive_peak_mb": plan.current.naive.peak_bytes / 2**20,
+            "decisions": {path: option.name.lower() for path, option in plan.current.options.items()},
+        },
         "snapshots": [
             {
                 "stage": r.stage,
@@ -249,10 +265,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noise-multiplier", type=float, default=1.0)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--plan", type=float, help="also install a rematerialization plan at this fraction of the naive peak"
+    )
     parser.add_argument("--out", type=Path, default=Path("outputs/dit_dp_bench"))
     args = parser.parse_args(argv)
     if args.batch < 1 or args.trials < 1 or args.warmup < 0:
         parser.error("--batch and --trials must be at least 1, --warmup at least 0")
+    if args.plan is not None and not 0 < args.plan <= 1:
+        parser.error("--plan is a fraction of the naive peak, in (0, 1]")
+    if args.plan is not None and args.warmup < 1:
+        parser.error("--plan needs --warmup 1 or more: the plan is made in the first step")
+    chosen = [args.mode] if args.mode is not None else args.modes
+    if args.plan is not None and any(mode.startswith("opacus_") for mode in chosen):
+        parser.error("--plan runs this project's modes only (vanilla and the engine's), not stock Opacus")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.mode is not None:
         config = {
@@ -261,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             "batch": args.batch,
             "noise_multiplier": args.noise_multiplier,
             "max_grad_norm": args.max_grad_norm,
+            "plan_budget": args.plan,
         }
         if args.layers is not None:
             config["layers"] = args.layers
@@ -296,6 +323,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
     forwarded += ["--max-grad-norm", str(args.max_grad_norm), "--device", args.device, "--out", str(args.out)]
     if args.layers is not None:
         forwarded += ["--layers", str(args.layers)]
+    if args.plan is not None:
+        forwarded += ["--plan", str(args.plan)]
     return forwarded
 
 

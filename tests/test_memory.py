@@ -17,8 +17,14 @@ def measured_step_peak(model, case, args, kwargs) -> int:
         out.float().pow(2).mean().backward()
 
     step()  # warm-up: one-time allocations (e.g. oneDNN caches) stay out of the measurement
-    model.zero_grad(set_to_none=True)
-    return measure_peak(step).peak_bytes
+    peaks = []
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        peaks.append(measure_peak(step).peak_bytes)
+    # The step's own peak repeats exactly. Two full-suite runs saw a reading 10% off on the tiny
+    # mlp_chain that never reproduced alone; a stray allocation elsewhere in the process (the
+    # suspected cause) would only add to one of two readings.
+    return min(peaks)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.name != "dit_dropout"], ids=lambda c: c.name)

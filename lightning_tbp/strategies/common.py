@@ -14,6 +14,7 @@ With ``dp=...`` the backward becomes DP-SGD's (see :mod:`lightning_tbp.strategie
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from traceback import format_exception_only
 from typing import Any
@@ -79,6 +80,14 @@ class TinyBackpropMixin:
                 PrivacyConfig(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
             )
         )
+        if self.privacy is not None and self.memory_budget is not None and BACKWARD_PASSES[dp] == 1:
+            warnings.warn(
+                f"lightning_tbp: dp={dp!r} records every layer's input and output gradient until the backward "
+                "ends, so it holds again what the rematerialization plan recomputes: the plan costs recompute "
+                "time and cannot lower the peak. To train privately in less memory, use dp='ghost' or 'flash' "
+                "with the budget; to keep this mode, pass memory_budget=None (docs/privacy.md)",
+                stacklevel=3,
+            )
         self.target = target
         self.plan: Plan | None = None
         self._reported: set[int] = set()

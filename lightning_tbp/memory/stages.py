@@ -26,7 +26,7 @@ import psutil
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_tbp.memory.meters import cpu_memory_events, refuse_nested_profiler
+from lightning_tbp.memory.meters import cpu_memory_events, garbage_collection_held, refuse_nested_profiler
 
 _MARK_PREFIX = "tbp::stage::"
 
@@ -143,6 +143,7 @@ class CpuStageMeter(StageMeter):
         refuse_nested_profiler()
         self._marks = []
         self._session = contextlib.ExitStack()
+        self._session.enter_context(garbage_collection_held())  # see lightning_tbp.memory.meters
         self._profiler = self._session.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
 
     def mark(self, stage: str) -> None:

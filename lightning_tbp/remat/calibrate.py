@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-from lightning_tbp.memory.meters import allocator_peak, measure_peak, profiler_active
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, measure_peak, profiler_active
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,8 @@ class OpCalibrator:
                 stacklevel=4,
             )
             return {}
-        per_key = {key: _measure_one(*spec) for key, spec in specs.items()}
+        with garbage_collection_held():  # one collection for all the ops, not one each
+            per_key = {key: _measure_one(*spec) for key, spec in specs.items()}
         return {event: per_key[key] for event, key in self.event_keys.items() if key in per_key}
 
 

@@ -56,15 +56,16 @@ def _storages_bytes(tensors: Iterable[torch.Tensor], device_type: str, seen: set
     return total
 
 
-def _state_tensors(state: object) -> Iterator[torch.Tensor]:
+def state_tensors(state: object) -> Iterator[torch.Tensor]:
+    """Every tensor in one parameter's optimizer state (nested dicts, lists and tuples included)."""
     if isinstance(state, torch.Tensor):
         yield state
     elif isinstance(state, dict):
         for value in state.values():
-            yield from _state_tensors(value)
+            yield from state_tensors(value)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from _state_tensors(value)
+            yield from state_tensors(value)
 
 
 def tensor_bytes(
@@ -77,7 +78,7 @@ def tensor_bytes(
     parameters = _storages_bytes(params, device_type, seen)
     gradients = _storages_bytes((p.grad for p in params if p.grad is not None), device_type, seen)
     optimizer_state = sum(
-        _storages_bytes(_state_tensors(state), device_type, seen)
+        _storages_bytes(state_tensors(state), device_type, seen)
         for optimizer in optimizers
         for state in optimizer.state.values()
     )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_tbp.memory.breakdown import _state_tensors, tensor_bytes
+from lightning_tbp.memory.breakdown import state_tensors, tensor_bytes
 
 _PROBE_NUMEL = 7  # an odd size no scalar state (step counters) can be mistaken for
 
@@ -84,7 +84,7 @@ def state_copies_per_parameter(optimizer: torch.optim.Optimizer) -> int:
             stacklevel=3,
         )
         return 0
-    return sum(1 for t in _state_tensors(twin.state.get(probe, {})) if t.numel() == _PROBE_NUMEL)
+    return sum(1 for t in state_tensors(twin.state.get(probe, {})) if t.numel() == _PROBE_NUMEL)
 
 
 def local_bytes(param: torch.Tensor) -> int:

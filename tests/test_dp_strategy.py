@@ -17,9 +17,12 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tbp import TinyBackpropStrategy
+from lightning_tbp import MemoryProfilerCallback, TinyBackpropStrategy
+from lightning_tbp.callbacks.strategy_info import MemoryReportingStrategy
 from lightning_tbp.privacy import PerSampleLossError
+from lightning_tbp.privacy.accounting import BudgetSpentError
 from lightning_tbp.privacy.sampling import PoissonBatchSampler
+from lightning_tbp.strategies.privacy import PrivacyBudgetExceededError
 
 N, BATCH = 64, 8
 
@@ -178,3 +181,93 @@ def test_a_budget_with_a_bookkeeping_mode_warns_that_the_plan_cannot_help() -> N
         warnings.simplefilter("error")
         TinyBackpropStrategy(dp="ghost", noise_multiplier=1.0)
         TinyBackpropStrategy(dp="bookkeeping", memory_budget=None, noise_multiplier=1.0)
+
+
+def test_resume_with_target_epsilon_recalibrates_for_the_remaining_steps(tmp_path) -> None:
+    """Defect 5: a run calibrated for 3 steps within ε=4, resumed with max_steps=6, kept its sigma and
+    spent ε=4.81. Resumed, the remaining steps now get the noise that lands the whole run within
+    its target (the same target: what little is left; a larger one: up to it); a target below
+    what was already spent is refused with the numbers."""
+
+    def strategy(target: float) -> TinyBackpropStrategy:
+        return TinyBackpropStrategy(memory_budget=None, dp="bookkeeping", target_epsilon=target, accountant="rdp")
+
+    first = strategy(4.0)
+    trainer = fit(Regressor(), first, tmp_path, max_steps=3, enable_checkpointing=True)
+    checkpoint = trainer.checkpoint_callback.best_model_path
+    spent = first.privacy.epsilon()
+    assert 3.9 < spent <= 4.0
+    assert torch.load(checkpoint, weights_only=False)["callbacks"]["PrivacyCallback"]["epsilon"] == spent
+
+    with pytest.raises(BudgetSpentError, match=rf"spent epsilon {spent:.3f} .* in 3 steps, which reaches .* 3\.5"):
+        fit(Regressor(), strategy(3.5), tmp_path, ckpt_path=checkpoint, max_steps=6)
+    same = strategy(4.0)
+    fit(Regressor(), same, tmp_path, ckpt_path=checkpoint, max_steps=6)
+    assert same.privacy.accountant.steps == 6 and spent < same.privacy.epsilon() <= 4.0
+    assert same.privacy.noise_multiplier > 2 * first.privacy.noise_multiplier
+
+    resumed = strategy(6.0)
+    fit(Regressor(), resumed, tmp_path, ckpt_path=checkpoint, max_steps=6)
+    assert resumed.privacy.accountant.steps == 6
+    assert 5.9 < resumed.privacy.epsilon() <= 6.0
+    fresh = TinyBackpropStrategy(memory_budget=None, dp="bookkeeping", target_epsilon=6.0, accountant="rdp")
+    fit(Regressor(), fresh, tmp_path, max_steps=6)
+    assert resumed.privacy.noise_multiplier != pytest.approx(fresh.privacy.noise_multiplier, rel=1e-3)
+    assert 5.9 < fresh.privacy.epsilon() <= 6.0
+
+
+def test_a_step_past_the_calibrated_plan_is_refused(tmp_path) -> None:
+    """A second fit on the same strategy with more steps recalibrates; one step more than
+    calibrated for (here: planning for 2 but the Trainer asked for 3) stops with an error."""
+    strategy = TinyBackpropStrategy(memory_budget=None, dp="ghost", target_epsilon=2.0, accountant="rdp")
+    module = Regressor()
+    trainer = L.Trainer(
+        accelerator="cpu", strategy=strategy, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False, max_steps=3, default_root_dir=tmp_path,
+    )  # fmt: skip
+    original = strategy.privacy.process_train_loader
+
+    def plan_fewer(*args, **kwargs):
+        loader = original(*args, **kwargs)
+        strategy.privacy.planned_steps = 2
+        strategy.privacy._calibrate()
+        return loader
+
+    strategy.privacy.process_train_loader = plan_fewer
+    with pytest.raises(PrivacyBudgetExceededError, match=r"step 3 of a run calibrated for 2 steps within epsilon 2\.0"):
+        trainer.fit(module)
+    assert strategy.privacy.accountant.steps == 2 and strategy.privacy.epsilon() <= 2.0
+
+
+def test_options_are_checked_when_the_strategy_is_built() -> None:
+    """Defect 6: infinite sigma or C left NaN weights; DP options without dp= trained without privacy."""
+    for options in ({"max_grad_norm": float("inf")}, {"noise_multiplier": float("inf")}, {"max_grad_norm": 0.0}):
+        with pytest.raises(ValueError, match=r"must be .* and finite"):
+            TinyBackpropStrategy(dp="ghost", **{"noise_multiplier": 1.0, **options})
+    with pytest.raises(ValueError, match="target_epsilon must be positive and finite"):
+        TinyBackpropStrategy(dp="ghost", target_epsilon=float("nan"))
+    with pytest.raises(ValueError, match="target_delta must be in"):
+        TinyBackpropStrategy(dp="ghost", noise_multiplier=1.0, target_delta=1.0)
+    for options in ({"noise_multiplier": 1.0}, {"target_epsilon": 8.0}, {"max_grad_norm": 1.0}, {"accountant": "rdp"}):
+        with pytest.raises(ValueError, match=r"given without dp=.*would train without privacy"):
+            TinyBackpropStrategy(**options)
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_the_memory_report_measures_dp_buffers(mode: str, tmp_path) -> None:
+    """Defect 7: the report's DP buffers were always 0 (the callback asked for a method no strategy
+    had). The strategies now satisfy the callbacks' declared interface, and the engine's held
+    bytes show up: bookkeeping's recorded operands at least the per-layer inputs it keeps."""
+    strategy = TinyBackpropStrategy(memory_budget=None, dp=mode, noise_multiplier=1.0)
+    assert isinstance(strategy, MemoryReportingStrategy)
+    callback = MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=tmp_path, log_metrics=False)
+    fit(Regressor(), strategy, tmp_path, max_steps=3, callbacks=[callback])
+    after_backward = [s for s in callback.record["snapshots"] if s["stage"] == "after_backward"]
+    assert after_backward and all(s["dp_peak_mb"] > 0 for s in after_backward)
+    norms_mb = 2 * BATCH * 4 / 2**20  # the [B] norms and clip coefficients, float32 (B varies: Poisson)
+    top = max(callback.record["snapshots"], key=lambda s: s["peak_mb"])["step"]
+    top_peak = max(s["dp_peak_mb"] for s in callback.record["snapshots"] if s["step"] == top)
+    assert callback.record["breakdown"]["dp_buffers_mb"] == top_peak
+    if mode == "bookkeeping":  # the conv input [B, 1, 4, 4] and the Linear input [B, 64], at least
+        assert min(s["dp_peak_mb"] for s in after_backward) > norms_mb + 16 * 4 / 2**20
+    assert callback.record["config"]["dp"]["planned_steps"] == 3

@@ -20,7 +20,14 @@ from dp_reference import clipped_sum, per_sample_grads
 from torch import nn
 
 from lightning_tbp.memory import measure_peak
-from lightning_tbp.privacy import BACKWARD_PASSES, MODES, PerSampleLossError, UnsupportedLayerError, attach
+from lightning_tbp.privacy import (
+    BACKWARD_PASSES,
+    MODES,
+    CoverageError,
+    PerSampleLossError,
+    UnsupportedLayerError,
+    attach,
+)
 from lightning_tbp.privacy.layers import outer
 from lightning_tbp.remat import Option, Plan
 
@@ -241,7 +248,7 @@ def test_two_pass_modes_get_plans_without_selective_blocks_and_a_clear_error_oth
         chosen[passes] = set(plan.current.options.values())
         if passes == 1:
             engine = attach(model, mode="ghost", max_grad_norm=1.0, noise_multiplier=0.0)
-            with pytest.raises(RuntimeError, match=r"backward_passes=2"):
+            with pytest.raises(RuntimeError, match=rf"backward_passes={BACKWARD_PASSES['ghost']}"):
                 engine.backward(loss(model, data))
             engine.detach()
         plan.remove()
@@ -358,26 +365,15 @@ def test_a_frozen_module_is_left_alone() -> None:
 def test_clear_errors() -> None:
     with pytest.raises(ValueError, match="unknown DP mode 'fast'"):
         attach(nn.Linear(2, 2), mode="fast")
-    with_attention = nn.Module()
-    with_attention.attn = nn.MultiheadAttention(4, 2)
-    with pytest.raises(UnsupportedLayerError, match=r"module 'attn' \(MultiheadAttention\).*supported layers"):
-        attach(with_attention)
-
-    class MyLinear(nn.Linear):
-        def forward(self, x):
-            return super().forward(x) * 2
-
-    with pytest.raises(UnsupportedLayerError, match="overrides forward"):
-        attach(nn.Sequential(MyLinear(2, 2)))
-
-    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
-    tied[1].weight = tied[0].weight
-    with pytest.raises(ValueError, match=r"shared with 0\.weight"):
-        attach(tied)
+    for bad in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="max_grad_norm must be positive and finite"):
+            attach(nn.Linear(2, 2), max_grad_norm=bad)
+    with pytest.raises(ValueError, match="noise_multiplier must be non-negative and finite"):
+        attach(nn.Linear(2, 2), noise_multiplier=float("inf"))
 
     two = nn.ModuleDict({"used": nn.Linear(3, 3), "unused": nn.Linear(3, 3)})
     engine = attach(two, mode="ghost")
-    with pytest.raises(ValueError, match=r"not used in this forward.*unused"):
+    with pytest.raises(CoverageError, match=r"not used in this forward.*'unused\.weight', 'unused\.bias'"):
         engine.backward(two["used"](torch.randn(4, 3)).sum(dim=1))
     engine.detach()
 
@@ -385,7 +381,7 @@ def test_clear_errors() -> None:
     engine = attach(layer, mode="bookkeeping")
     with pytest.raises(PerSampleLossError, match=r"per-sample loss, shape \[batch\].*got shape \(\)"):
         engine.backward(layer(torch.randn(4, 3)).sum())
-    with pytest.raises(PerSampleLossError, match="batch of 4 but the loss has 3 entries"):
+    with pytest.raises(PerSampleLossError, match=r"batch of 4 .* but the loss has 3 entries"):
         engine.backward(layer(torch.randn(4, 3)).sum(dim=0))
     engine.detach()
 

@@ -22,6 +22,7 @@ from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_tbp.callbacks.strategy_info import MemoryReportingStrategy
 from lightning_tbp.memory.breakdown import Breakdown, split_untracked, tensor_bytes
 from lightning_tbp.memory.meters import profiler_active
 from lightning_tbp.memory.record import Snapshot, build_run_record, format_stage_table, write_run_record
@@ -84,7 +85,7 @@ class MemoryProfilerCallback(Callback):
         self._batch_index = -1
         self._sampling = False
         self._late_preroll = False
-        self._pending: list[tuple[str, float, int, Breakdown]] = []
+        self._pending: list[tuple[str, float, int, Breakdown, int | None]] = []
         self._snapshots: list[Snapshot] = []
         self._step_times: list[float] = []
         self._metered_step_times: list[float] = []
@@ -114,7 +115,9 @@ class MemoryProfilerCallback(Callback):
                 f"{self._device.type}, so no history will be written (the stage snapshots still are)",
                 stacklevel=2,
             )
-        if self.warmup_steps == 0 and self._device.type == "cpu" and hasattr(trainer.strategy, "plan"):
+        strategy = trainer.strategy
+        makes_plan = isinstance(strategy, MemoryReportingStrategy) and strategy.makes_plan()
+        if self.warmup_steps == 0 and self._device.type == "cpu" and makes_plan:
             warnings.warn(
                 "MemoryProfilerCallback(warmup_steps=0) meters the batch that makes the tiny_backprop plan; on CPU "
                 "the planner then cannot calibrate op workspaces inside the meter's profiler. Use warmup_steps>=1.",
@@ -223,9 +226,11 @@ class MemoryProfilerCallback(Callback):
 
     def _mark(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         assert self._meter is not None
-        dp_bytes = getattr(trainer.strategy, "dp_buffer_bytes", lambda: 0)()
-        tracked = tensor_bytes(pl_module, trainer.optimizers, self._device, dp_buffers=dp_bytes)
-        self._pending.append((stage, time.perf_counter() - self._fit_started, trainer.global_step, tracked))
+        stats = trainer.strategy.dp_buffer_stats() if isinstance(trainer.strategy, MemoryReportingStrategy) else None
+        dp_now = 0 if stats is None else stats.current_bytes
+        tracked = tensor_bytes(pl_module, trainer.optimizers, self._device, dp_buffers=dp_now)
+        dp_peak = None if stats is None else stats.peak_bytes if stage == "after_backward" else dp_now
+        self._pending.append((stage, time.perf_counter() - self._fit_started, trainer.global_step, tracked, dp_peak))
         self._meter.mark(stage)
 
     def _snapshots_of(self, readings: list[Any]) -> list[Snapshot]:
@@ -235,7 +240,7 @@ class MemoryProfilerCallback(Callback):
         start_current = readings[0].current_bytes + offset
         start_tracked = self._pending[0][3].tracked
         snapshots = []
-        for (stage, at, global_step, tracked), reading in zip(self._pending, readings, strict=True):
+        for (stage, at, global_step, tracked, dp_peak), reading in zip(self._pending, readings, strict=True):
             current = reading.current_bytes + offset
             snapshots.append(
                 Snapshot(
@@ -249,6 +254,7 @@ class MemoryProfilerCallback(Callback):
                     reserved_bytes=reading.reserved_bytes,
                     peak_reserved_bytes=reading.peak_reserved_bytes,
                     breakdown=split_untracked(current, tracked, start_current, start_tracked),
+                    dp_peak_bytes=dp_peak,
                 )
             )
         self._pending = []
@@ -353,7 +359,6 @@ class MemoryProfilerCallback(Callback):
             "plan": None,
             "dp": None,
         }
-        report_config = getattr(trainer.strategy, "memory_report_config", None)
-        if report_config is not None:
-            config.update(report_config())
+        if isinstance(trainer.strategy, MemoryReportingStrategy):
+            config.update(trainer.strategy.memory_report_config())
         return config

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+
+from lightning_tbp.compat import DeviceType
 
 
 @dataclass

@@ -45,6 +45,9 @@ class Snapshot:
     reserved_bytes: int | None
     peak_reserved_bytes: int | None
     breakdown: Breakdown
+    dp_peak_bytes: int | None = None
+    """Under DP: the most bytes the engine held since the previous stage (its buffers' peak in
+    the backward); None without DP."""
 
     def to_dict(self) -> dict[str, Any]:
         def mib(value: int | None) -> float | None:
@@ -61,6 +64,7 @@ class Snapshot:
             "peak_reserved_mb": mib(self.peak_reserved_bytes),
             "rss_mb": mib(self.rss_bytes),
             "breakdown": self.breakdown.as_mib(),
+            "dp_peak_mb": mib(self.dp_peak_bytes),
         }
 
 
@@ -76,9 +80,12 @@ def high_water_breakdown(step_snapshots: list[Snapshot]) -> Breakdown:
     """Per category, its largest value over the stages of one step.
 
     What each part of training needs at most; the parts were not necessarily all live at the
-    same moment (gradients peak after the backward, activations after the forward).
+    same moment (gradients peak after the backward, activations after the forward). DP buffers
+    peak inside the backward, so their high-water mark is the engine's own peak.
     """
-    return Breakdown(**{f.name: max(getattr(s.breakdown, f.name) for s in step_snapshots) for f in fields(Breakdown)})
+    high = {f.name: max(getattr(s.breakdown, f.name) for s in step_snapshots) for f in fields(Breakdown)}
+    high["dp_buffers"] = max(high["dp_buffers"], *(s.dp_peak_bytes or 0 for s in step_snapshots))
+    return Breakdown(**high)
 
 
 def build_run_record(
@@ -160,6 +167,9 @@ def format_stage_table(record: dict[str, Any]) -> str:
         cells = [row[0].ljust(widths[0]), *(f"{v:{w}.2f}" for v, w in zip(row[1:], widths[1:], strict=True))]
         lines.append("  " + "  ".join(cells))
     time = record.get("avg_time_ms")
+    dp_peak = max((s.get("dp_peak_mb") or 0.0 for s in snapshots if s["step"] == top), default=0.0)
+    if dp_peak:
+        lines.append(f"  DP engine buffers peaked at {dp_peak:.2f} MiB inside the backward (in the peak above)")
     lines.append(
         f"  peak {record['peak_memory_mb']:.2f} MiB over {len({s['step'] for s in snapshots})} sampled batches; "
         + (f"step time {time:.1f} ms (mean of {record['timed_steps']} steps)" if time is not None else "no timed steps")

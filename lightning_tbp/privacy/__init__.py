@@ -4,12 +4,16 @@
 module; the Lightning strategy builds on it.
 """
 
-from lightning_tbp.privacy.engine import BACKWARD_PASSES, MODES, DPEngine, PerSampleLossError, attach
+from lightning_tbp.privacy.engine import BACKWARD_PASSES, MODES, STEP_PASSES, BufferStats, DPEngine, attach
+from lightning_tbp.privacy.errors import CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers import LayerHandler, UnsupportedLayerError, register, supported_types
 
 __all__ = [
     "BACKWARD_PASSES",
     "MODES",
+    "STEP_PASSES",
+    "BufferStats",
+    "CoverageError",
     "DPEngine",
     "LayerHandler",
     "PerSampleLossError",

@@ -6,7 +6,6 @@ import math
 from typing import Any
 
 from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
 
 ACCOUNTANTS = ("prv", "rdp")
 
@@ -25,6 +24,11 @@ class PrivacyAccountant:
 
     def step(self, noise_multiplier: float, sample_rate: float) -> None:
         self._accountant.step(noise_multiplier=noise_multiplier, sample_rate=sample_rate)
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        """(noise multiplier, sample rate, steps) of every step taken so far."""
+        return list(self._accountant.history)
 
     @property
     def steps(self) -> int:
@@ -50,20 +54,68 @@ class PrivacyAccountant:
         self._accountant.history = [tuple(entry) for entry in state["history"]]
 
 
-def calibrate_noise(target_epsilon: float, delta: float, sample_rate: float, steps: int, mechanism: str) -> float:
-    """The smallest noise multiplier that keeps ``steps`` steps at rate ``sample_rate`` within ε."""
-    if target_epsilon <= 0:
-        raise ValueError(f"target_epsilon must be positive, got {target_epsilon}")
+def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str) -> float:
+    """ε at ``delta`` of a history of (noise multiplier, sample rate, steps), as ``PrivacyAccountant``."""
+    accountant = PrivacyAccountant(mechanism, delta)
+    accountant._accountant.history = list(history)
+    return accountant.epsilon()
+
+
+class BudgetSpentError(ValueError):
+    """The privacy already spent leaves no room for the steps still planned."""
+
+
+#: Calibration stops when the planned run's ε is this close below the target (as Opacus).
+EPSILON_TOLERANCE = 0.01
+_MAX_NOISE_MULTIPLIER = 2.0**20
+
+
+def calibrate_noise(
+    target_epsilon: float,
+    delta: float,
+    sample_rate: float,
+    steps: int,
+    mechanism: str,
+    history: list[tuple[float, float, int]] | None = None,
+) -> float:
+    """The smallest noise multiplier (to ``EPSILON_TOLERANCE``) with which ``steps`` more steps at
+    rate ``sample_rate``, after ``history`` (steps already taken), stay within ``target_epsilon``.
+
+    A resumed run passes what it already spent as ``history``, so the remaining steps get the
+    noise that lands the whole run on its target; if the spent part alone reaches the target,
+    :class:`BudgetSpentError` says so with the numbers."""
+    if not (math.isfinite(target_epsilon) and target_epsilon > 0):
+        raise ValueError(f"target_epsilon must be positive and finite, got {target_epsilon}")
+    history = list(history or [])
     if steps <= 0:
         raise ValueError(
             "calibrating noise to target_epsilon needs the planned number of steps: set max_steps or max_epochs"
+            + (f" above the {sum(h[2] for h in history)} steps already taken" if history else "")
         )
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=mechanism,
+    spent = epsilon_of(history, delta, mechanism) if history else 0.0
+    if spent >= target_epsilon:
+        raise BudgetSpentError(
+            f"the run has spent epsilon {spent:.3f} (delta {delta}) in {sum(h[2] for h in history)} steps, which "
+            f"reaches its target {target_epsilon}: no noise keeps {steps} more steps within it. Raise "
+            "target_epsilon or train no further"
         )
-    )
+
+    def planned(sigma: float) -> float:
+        return epsilon_of([*history, (sigma, sample_rate, steps)], delta, mechanism)
+
+    low, high = 0.0, 10.0
+    while planned(high) > target_epsilon:
+        low, high = high, 2 * high
+        if high > _MAX_NOISE_MULTIPLIER:
+            raise BudgetSpentError(
+                f"the run has spent epsilon {spent:.3f} of its target {target_epsilon} (delta {delta}); no noise "
+                f"multiplier keeps {steps} more steps at sampling rate {sample_rate:.5f} within the target. Raise "
+                "target_epsilon or train no further"
+            )
+    while target_epsilon - planned(high) > EPSILON_TOLERANCE and high - low > 1e-9 * high:
+        middle = (low + high) / 2
+        if planned(middle) > target_epsilon:
+            low = middle
+        else:
+            high = middle
+    return high

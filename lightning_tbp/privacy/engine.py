@@ -1,9 +1,11 @@
 """DP-SGD's per-sample clipping and noise for a plain PyTorch module, in four modes.
 
-``attach`` gives every module that owns trainable parameters an instance-level ``forward``
-that runs the layer with detached parameters and wraps the output in a ``_Tap``: an identity
-autograd node whose backward sees the layer's output gradient next to the tensors it saved.
-Autograd thus computes only input gradients; the engine forms the parameter gradients:
+``attach`` sorts every trainable parameter (``coverage.py``): a layer with a handler gets an
+instance-level ``forward`` that runs it with detached parameters and wraps the output in a
+``_Tap``, an identity autograd node whose backward sees the layer's output gradient next to the
+tensors it saved; every other trainable parameter is *tracked*: reading it as a module attribute
+yields a tensor whose uses are clipped op by op (``tracked.py``). Autograd thus computes only
+input gradients; the engine forms the parameter gradients:
 
 - ``ghost`` / ``flash``: two backward passes. The first accumulates each sample's squared
   gradient norm per layer (ghost norm or materialised per-sample gradient, whichever the cost
@@ -13,6 +15,12 @@ Autograd thus computes only input gradients; the engine forms the parameter grad
   tensors and output gradient; once all norms are known, the clipped sum ``Σ_i c_i ∇_i`` of
   every layer comes from one contraction over the recorded operands.
 
+A parameter reached by several paths (a layer called twice, tied weights, a tracked use next to
+its layer's own) has its per-sample gradients materialised and summed before the norm. Every
+backward first checks the graph (no parameter reachable by plain autograd, none unreached), and
+the first backward of each graph structure probes one sample's loss to check that every clipped
+path sees only that sample (``coverage.py``).
+
 Saved tensors go through ``ctx.save_for_backward``, so non-reentrant checkpointing (and the
 rematerialization plan) recompute them like any other activation, and gradients stay exact.
 """
@@ -20,25 +28,29 @@ rematerialization plan) recompute them like any other activation, and gradients 
 from __future__ import annotations
 
 import functools
+import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_tbp.privacy.layers import handler_for, trainable
+from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
+from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
+from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
+
+log = logging.getLogger("lightning_tbp")
 
 MODES = ("ghost", "flash", "bookkeeping", "flash_bookkeeping")
-#: Backward passes over one forward's graph per mode: a rematerialization plan for a graph
-#: backpropagated twice must not use selective blocks (``Plan(backward_passes=...)``).
-BACKWARD_PASSES = {"ghost": 2, "flash": 2, "bookkeeping": 1, "flash_bookkeeping": 1}
+#: The most backward passes one forward's graph sees per mode: two for ghost and flash, plus the
+#: independence probe of a first step. A rematerialization plan for a graph backpropagated more
+#: than once must not use selective blocks (``Plan(backward_passes=...)``).
+BACKWARD_PASSES = {"ghost": 3, "flash": 3, "bookkeeping": 2, "flash_bookkeeping": 2}
+#: Passes of an ordinary step (no probe): what a step's memory and time depend on.
+STEP_PASSES = {"ghost": 2, "flash": 2, "bookkeeping": 1, "flash_bookkeeping": 1}
 _CLIP_EPSILON = 1e-6  # as Opacus: c_i = min(1, C / (‖∇_i‖ + 1e-6))
-
-
-class PerSampleLossError(ValueError):
-    """The loss handed to ``backward`` is not one value per sample."""
 
 
 @dataclass(eq=False)
@@ -49,7 +61,17 @@ class _Slot:
     module: nn.Module
     handler: LayerHandler
     engine: DPEngine
-    params: dict[str, nn.Parameter] = field(default_factory=dict)
+    params: dict[str, nn.Parameter]
+
+
+@dataclass
+class BufferStats:
+    """Bytes the engine holds beyond what plain autograd would (per-sample norms and coefficients,
+    materialised per-sample gradients, bookkeeping's recorded operands): now, and the peak of
+    the last backward."""
+
+    current_bytes: int = 0
+    peak_bytes: int = 0
 
 
 class _Tap(torch.autograd.Function):
@@ -57,8 +79,8 @@ class _Tap(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, slot: _Slot, anchor: Tensor, output: Tensor, *saved: Tensor) -> Tensor:
-        # ``anchor`` (one of the layer's trainable parameters) makes the output require grad even
-        # when nothing upstream does: the parameters themselves enter the op detached.
+        # ``anchor`` (a leaf of the engine's own) makes the output require grad even when nothing
+        # upstream does: the parameters themselves enter the op detached.
         ctx.slot = slot
         ctx.save_for_backward(*saved)
         return output.view_as(output)
@@ -68,6 +90,10 @@ class _Tap(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
         ctx.slot.engine._receive(ctx.slot, saved, grad_output)
         return (None, None, grad_output, *([None] * len(saved)))
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
 
 
 class DPEngine:
@@ -88,10 +114,10 @@ class DPEngine:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown DP mode {mode!r}; choose one of {', '.join(MODES)}")
-        if not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive, got {max_grad_norm}")
-        if not noise_multiplier >= 0:
-            raise ValueError(f"noise_multiplier must be non-negative, got {noise_multiplier}")
+        if not (math.isfinite(max_grad_norm) and max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be positive and finite, got {max_grad_norm}")
+        if not (math.isfinite(noise_multiplier) and noise_multiplier >= 0):
+            raise ValueError(f"noise_multiplier must be non-negative and finite, got {noise_multiplier}")
         self.module = module
         self.mode = mode
         self.max_grad_norm = float(max_grad_norm)
@@ -99,60 +125,81 @@ class DPEngine:
         self.generator = generator
         self.per_sample_norms: Tensor | None = None
         self.clip_coefficients: Tensor | None = None
-        self._slots = self._install(module)
-        self._phase: str | None = None  # "norms", "sum" or "book" while a backward runs
-        self._shared: set[_Slot] = set()
+        self.buffers = BufferStats()
+        self.anchor = torch.zeros((), requires_grad=True)
+        self._survey = survey(module)
+        self._handler_reads = 0  # >0 while a handler runs its layer: it reads the real parameters
+        self._phase: str | None = None  # "probe", "norms", "sum" or "book" while a backward runs
+        self._batch = 0
+        self._probed: set[tuple] = set()
+        self._materialise: set[int] = set()  # ids of parameters reached by more than one path
         self._norm_sq: Tensor | None = None
-        self._pending: dict[_Slot, dict[str, Tensor]] = {}
-        self._book: list[tuple[_Slot, tuple[Tensor, ...], Tensor]] = []
+        self._pending: dict[int, Tensor] = {}
+        self._book: list[tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]] = []
+        self._violations: list[str] = []
+        self._warned_masked = False
+        self._slots = self._install()
+        self._attached = True
 
     # -- installation ---------------------------------------------------------------------------
 
-    def _install(self, module: nn.Module) -> list[_Slot]:
-        owners: dict[int, str] = {}
-        plan: list[tuple[str, nn.Module, LayerHandler, dict[str, nn.Parameter]]] = []
-        for name, sub in module.named_modules():
-            params = trainable(sub)
-            if not params:
-                continue
-            for param_name, param in params.items():
-                if id(param) in owners:
-                    raise ValueError(
-                        f"parameter {name}.{param_name} is shared with {owners[id(param)]}; per-sample "
-                        "clipping of tied parameters is not supported"
-                    )
-                owners[id(param)] = f"{name}.{param_name}"
-            if "forward" in sub.__dict__:
-                raise ValueError(
-                    f"module {name!r} already has an instance-level forward (another wrapper?); "
-                    "attach DP to the plain module"
-                )
-            plan.append((name, sub, handler_for(sub, name or type(sub).__name__), params))
-        if not plan:
-            raise ValueError(f"{type(module).__name__} has no trainable parameters to train privately")
-        slots = []
-        for name, sub, handler, params in plan:
-            slot = _Slot(name, sub, handler, self, params)
-            sub.forward = functools.partial(self._tapped_forward, slot)
-            slots.append(slot)
+    def _install(self) -> list[_Slot]:
+        slots = [_Slot(spec.name, spec.module, spec.handler, self, spec.params) for spec in self._survey.slots]
+        for slot in slots:
+            slot.module.forward = functools.partial(self._tapped_forward, slot)
+        for owner in self._survey.owners:
+            owner._parameters = TrackedParameters(owner._parameters, self)
         return slots
 
-    @staticmethod
-    def _tapped_forward(slot: _Slot, x: Tensor) -> Tensor:
-        output, saved = slot.handler.forward(slot.module, x)
-        return _Tap.apply(slot, next(iter(slot.params.values())), output, *saved)
+    def _tapped_forward(self, slot: _Slot, x: Tensor) -> Tensor:
+        self._handler_reads += 1
+        try:
+            output, saved = slot.handler.forward(slot.module, x)
+        finally:
+            self._handler_reads -= 1
+        return _Tap.apply(slot, self.anchor, output, *saved)
+
+    def tracks(self, param: nn.Parameter) -> bool:
+        """Whether reading ``param`` as a module attribute now yields a tracked tensor."""
+        return self._attached and self._handler_reads == 0 and id(param) in self._survey.params
+
+    def describe_param(self, param: nn.Parameter) -> str:
+        return self._survey.describe(param)
 
     def detach(self) -> None:
-        """Restore every module's own forward; the engine is unusable afterwards."""
+        """Restore every module's own forward and parameter table; the engine is unusable afterwards."""
         for slot in self._slots:
             slot.module.__dict__.pop("forward", None)
+        for owner in self._survey.owners:
+            if isinstance(owner._parameters, TrackedParameters):
+                owner._parameters = owner._parameters.plain()
         self._slots = []
+        self._attached = False
 
     @property
     def parameters(self) -> list[nn.Parameter]:
-        return [p for slot in self._slots for p in slot.params.values()]
+        """Every trainable parameter the engine clips, each once (tied ones too)."""
+        return list(self._survey.params.values())
+
+    def coverage(self) -> dict[str, str]:
+        """How each trainable parameter (by qualified name) is clipped: for reports and docs."""
+        handled = {id(p): f"{type(slot.module).__name__} handler" for slot in self._slots for p in slot.params.values()}
+        table = {}
+        for pid in self._survey.params:
+            how = handled.get(pid)
+            if pid in self._survey.tracked_only:
+                tracked = f"tracked uses ({self._survey.tracked_only[pid]})"
+                how = f"{how} + {tracked}" if how else tracked
+            for name in self._survey.names[pid]:
+                table[name] = how or "tracked uses"
+        return table
 
     # -- the backward -----------------------------------------------------------------------------
+
+    @property
+    def backward_passes(self) -> int:
+        """The most backward passes one forward's graph sees; give it to ``Plan(backward_passes=...)``."""
+        return BACKWARD_PASSES[self.mode]
 
     def backward(self, loss: Tensor, add_noise: bool = True) -> None:
         """Clip per sample and sum into ``.grad``; then add noise unless ``add_noise=False``.
@@ -160,7 +207,7 @@ class DPEngine:
         ``add_noise=False`` lets gradient accumulation sum several micro-batches first and call
         ``add_noise()`` once for the logical batch.
         """
-        if not self._slots:
+        if not self._attached:
             raise RuntimeError("this DP engine was detached")
         if loss.dim() != 1:
             raise PerSampleLossError(
@@ -168,41 +215,72 @@ class DPEngine:
                 "Reduce over every dimension but the batch (e.g. loss.mean(dim=(1, 2, 3))) and do not average "
                 "over the batch"
             )
-        self._shared = self._check_graph(loss)
-        self._norm_sq = torch.zeros(loss.shape[0], dtype=torch.float32, device=loss.device)
-        two_pass = BACKWARD_PASSES[self.mode] == 2
+        if loss.grad_fn is None:
+            raise PerSampleLossError("the loss does not require grad: was it computed from the module's output?")
+        check_batch_norms(self._survey)
+        graph = survey_graph(loss, self._survey, self)
+        self._batch = loss.shape[0]
+        self._materialise = {pid for pid, count in graph.contributions.items() if count > 1}
+        two_pass = STEP_PASSES[self.mode] == 2
+        self.buffers = BufferStats()
         try:
-            self._phase = "norms" if two_pass else "book"
-            torch.autograd.backward(loss.sum(), retain_graph=two_pass)
+            if graph.structure() not in self._probed and self._batch > 1:
+                self._probe(loss)
+                self._probed.add(graph.structure())
+            self._norm_sq = torch.zeros(self._batch, dtype=torch.float32, device=loss.device)
+            self._hold(self._norm_sq)
+            if two_pass:
+                self._phase = "norms"
+                self._backpropagate(loss.sum(), retain_graph=True)
+            else:
+                self._phase = "book"
+                self._backpropagate(loss.sum())
             self._finish_norms()
+            self._warn_masked(graph.uses)
             coef = self.clip_coefficients
             if two_pass:
                 self._phase = "sum"
-                self._second_backward((loss * coef.to(loss.dtype)).sum())
+                self._backpropagate((loss * coef.to(loss.dtype)).sum())
             else:
-                for slot, saved, grad_output in self._book:
-                    self._accumulate(slot, slot.handler.clipped_sum(slot.module, saved, grad_output, coef))
+                for entry, saved, grads in self._book:
+                    self._clipped_sum(entry, saved, grads, coef)
         finally:
-            self._phase, self._book, self._pending = None, [], {}
+            self._phase, self._book, self._pending, self._norm_sq = None, [], {}, None
+            self.buffers.current_bytes = _bytes((self.per_sample_norms, self.clip_coefficients))
+            self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
         if add_noise:
             self.add_noise()
 
-    @property
-    def backward_passes(self) -> int:
-        """Backward passes over each forward's graph; give it to ``Plan(backward_passes=...)``."""
-        return BACKWARD_PASSES[self.mode]
+    def _probe(self, loss: Tensor) -> None:
+        """Backpropagate sample 0's loss alone: every clipped path must see only row 0."""
+        self._phase, self._violations = "probe", []
+        self._backpropagate(loss[0], retain_graph=True)
+        if self._violations:
+            raise CoverageError(
+                "per-sample clipping needs each sample's loss to depend on its own rows only (dim 0 of every "
+                "trainable layer's input and of every op using a parameter is the batch), but backpropagating "
+                "sample 0's loss alone:\n"
+                + "\n".join(f"  {v}" for v in dict.fromkeys(self._violations))
+                + "\nCauses: statistics over the batch, a sequence-first layout (batch_first=False), or a "
+                "parameter combined with a tensor that has no batch dimension before it meets the batch"
+            )
 
-    def _second_backward(self, weighted_loss: Tensor) -> None:
+    def _backpropagate(self, scalar: Tensor, retain_graph: bool = False) -> None:
+        """One pass. A retained pass (probe, ghost's norms) reaches only the clipped paths and writes
+        no ``.grad``; the last pass is an ordinary backward (inputs that require grad get theirs)."""
         try:
-            torch.autograd.backward(weighted_loss)
+            if retain_graph:
+                torch.autograd.grad(scalar, [self.anchor], retain_graph=True, allow_unused=True)
+            else:
+                torch.autograd.backward(scalar)
         except RuntimeError as error:
             if "selective activation checkpoint" not in str(error):
                 raise
             raise RuntimeError(
-                f"DP mode {self.mode!r} backpropagates each graph twice, and a selective checkpoint in the "
+                f"DP mode {self.mode!r} backpropagates each graph more than once, and a selective checkpoint in the "
                 "model gives its cached outputs to the first backward only. Make the rematerialization plan "
                 f"with Plan(..., backward_passes={self.backward_passes}) (engine.backward_passes), which "
-                "plans without selective blocks, or use a one-pass mode (bookkeeping, flash_bookkeeping)"
+                "plans without selective blocks"
             ) from error
 
     def add_noise(self) -> None:
@@ -216,53 +294,86 @@ class DPEngine:
             noise = torch.randn(param.shape, generator=self.generator, device=param.device, dtype=torch.float32)
             param.grad.add_(noise.to(param.grad.dtype), alpha=std)
 
-    def _check_graph(self, loss: Tensor) -> set[_Slot]:
-        """Tapped modules reached more than once; error for any trainable module not reached at all."""
-        if loss.grad_fn is None:
-            raise PerSampleLossError("the loss does not require grad: was it computed from the module's output?")
-        calls: dict[_Slot, int] = {}
-        seen, stack = set(), [loss.grad_fn]
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            slot = getattr(node, "slot", None)
-            if isinstance(slot, _Slot) and slot.engine is self:
-                calls[slot] = calls.get(slot, 0) + 1
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        unused = [slot.name for slot in self._slots if slot not in calls]
-        if unused:
-            raise ValueError(
-                f"trainable modules not used in this forward (or not reaching the loss): {', '.join(unused)}; "
-                "per-sample clipping needs every trainable parameter in the graph: freeze them or use them"
+    def _warn_masked(self, uses: list[RawUse]) -> None:
+        slow = {use.op_name for use in uses if not use.rowwise}
+        if slow and not self._warned_masked:
+            self._warned_masked = True
+            log.warning(
+                "lightning_tbp DP: parameters used in %s get their per-sample gradients by masked VJPs (exact, but "
+                "batch-size products of each op); a per-sample handler for those layers would be faster",
+                ", ".join(sorted(slow)),
             )
-        return {slot for slot, count in calls.items() if count > 1}
+
+    # -- what the backward hands over -----------------------------------------------------------
+
+    def _check_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:
+        for grad in grads:
+            if grad.dim() == 0 or grad.shape[0] != self._batch:
+                raise PerSampleLossError(
+                    f"{where} got a batch of {grad.shape[0] if grad.dim() else 'none'} (gradient shape "
+                    f"{tuple(grad.shape)}) but the loss has {self._batch} entries: the loss must hold one value "
+                    "per sample, and dim 0 of what a trainable parameter meets must be the batch"
+                )
 
     def _receive(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor) -> None:
         """One layer call's output gradient, in whichever pass is running."""
         if self._phase is None or slot.engine is not self:
             return  # a backward outside ``DPEngine.backward`` (e.g. a planner's profiling run)
-        if grad_output.shape[0] != self._norm_sq.shape[0]:
-            raise PerSampleLossError(
-                f"module {slot.name!r} got a batch of {grad_output.shape[0]} but the loss has "
-                f"{self._norm_sq.shape[0]} entries: the loss must hold one value per sample"
-            )
+        self._check_rows(f"module {slot.name!r}", (grad_output,))
+        if self._phase == "probe":
+            self._probe_rows(f"module {slot.name!r} ({type(slot.module).__name__})", (grad_output,))
+            return
         if self._phase == "sum":
             ones = torch.ones_like(self._norm_sq)
-            self._accumulate(slot, slot.handler.clipped_sum(slot.module, saved, grad_output, ones))
+            self._accumulate(slot.params, slot.handler.clipped_sum(slot.module, saved, grad_output, ones))
             return
-        if slot in self._shared:
+        if any(id(p) in self._materialise for p in slot.params.values()):
             grads = slot.handler.per_sample_grads(slot.module, saved, grad_output)
-            pending = self._pending.setdefault(slot, {})
-            for name, grad in grads.items():
-                pending[name] = grad if name not in pending else pending[name] + grad
+            self._add_pending({slot.params[name]: grad for name, grad in grads.items()})
         else:
             self._norm_sq += slot.handler.norm_sq(
                 slot.module, saved, grad_output, self._method(slot, saved, grad_output)
             )
         if self._phase == "book":
-            self._book.append((slot, saved, grad_output))
+            self._book.append((slot, saved, (grad_output,)))
+            self._hold(*saved, grad_output)
+
+    def receive_use(self, use: RawUse, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> None:
+        """One tracked use's output gradients, in whichever pass is running."""
+        if self._phase is None or use.owner is not self:
+            return
+        names = ", ".join(self.describe_param(p) for p in use.params)
+        where = f"parameter(s) {names} in op {use.op_name}"
+        if any(g.dim() == 0 or g.shape[0] != self._batch for g in grads):
+            shapes = ", ".join(str(tuple(g.shape)) for g in grads)
+            raise CoverageError(
+                f"{where} give outputs of shape {shapes}, whose dim 0 is not the batch ({self._batch}): per-sample "
+                "clipping needs dim 0 of every op that uses a trainable parameter to be the batch (a sequence-first "
+                "layout, or a parameter combined with a tensor without batch dimension, breaks that). For each: "
+                f"{FIXES}"
+            )
+        if self._phase == "probe":
+            self._probe_rows(where, grads)
+            return
+        if self._phase == "sum":
+            for param, grad in use.summed_grads(saved, grads).items():
+                self._add_grad(param, grad)
+            return
+        per_sample = use.per_sample_grads(saved, grads, self._batch)
+        if any(id(p) in self._materialise for p in use.params):
+            self._add_pending(per_sample)
+        else:
+            for grad in per_sample.values():
+                self._norm_sq += grad.flatten(1).float().square().sum(dim=1)
+        if self._phase == "book":
+            self._book.append((use, saved, grads))
+            self._hold(*saved, *grads)
+
+    def _probe_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:
+        for grad in grads:
+            violation = row_violation(grad, self._batch, 0)
+            if violation is not None:
+                self._violations.append(f"{where}: {violation}")
 
     def _method(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor) -> str:
         methods = slot.handler.norm_methods(slot.module, saved, grad_output)
@@ -270,20 +381,41 @@ class DPEngine:
             return "flash"
         return next(method for method in methods if method != "flash")
 
+    def _add_pending(self, grads: dict[nn.Parameter, Tensor]) -> None:
+        for param, grad in grads.items():
+            pending = self._pending.get(id(param))
+            self._pending[id(param)] = grad.float() if pending is None else pending + grad.float()
+            if pending is None:
+                self._hold(self._pending[id(param)])
+
     def _finish_norms(self) -> None:
-        for grads in self._pending.values():
-            for grad in grads.values():
-                self._norm_sq += grad.flatten(1).square().sum(dim=1)
+        for grad in self._pending.values():
+            self._norm_sq += grad.flatten(1).square().sum(dim=1)
         self._pending = {}
         self.per_sample_norms = self._norm_sq.sqrt()
         self.clip_coefficients = (self.max_grad_norm / (self.per_sample_norms + _CLIP_EPSILON)).clamp(max=1.0)
 
-    @staticmethod
-    def _accumulate(slot: _Slot, grads: dict[str, Tensor]) -> None:
+    def _clipped_sum(self, entry: Any, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], coef: Tensor) -> None:
+        if isinstance(entry, _Slot):
+            self._accumulate(entry.params, entry.handler.clipped_sum(entry.module, saved, grads[0], coef))
+            return
+        weighted = tuple(g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) for g in grads)
+        for param, grad in entry.summed_grads(saved, weighted).items():
+            self._add_grad(param, grad)
+
+    def _accumulate(self, params: dict[str, nn.Parameter], grads: dict[str, Tensor]) -> None:
         for name, grad in grads.items():
-            param = slot.params[name]
-            grad = grad.to(param.dtype)
-            param.grad = grad if param.grad is None else param.grad.add_(grad)
+            self._add_grad(params[name], grad)
+
+    @staticmethod
+    def _add_grad(param: nn.Parameter, grad: Tensor) -> None:
+        grad = grad.to(param.dtype)
+        param.grad = grad if param.grad is None else param.grad.add_(grad)
+
+    def _hold(self, *tensors: Tensor) -> None:
+        """Count bytes the engine keeps alive beyond plain autograd (for the memory report)."""
+        self.buffers.current_bytes += _bytes(tensors)
+        self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
 
 
 def attach(
@@ -293,7 +425,7 @@ def attach(
     noise_multiplier: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> DPEngine:
-    """Make ``module`` clip per sample: see ``DPEngine``. Raises before any step for unsupported layers."""
+    """Make ``module`` clip per sample: see ``DPEngine``. Raises before any step for what cannot be clipped."""
     return DPEngine(module, mode, max_grad_norm, noise_multiplier, generator)
 
 

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 from scipy.stats import binom
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from lightning_tbp.compat import tree_flatten, tree_unflatten
 
 
 class PoissonBatchSampler:

@@ -17,14 +17,15 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
+from lightning_tbp.compat import OpOverload, op_packet
 from lightning_tbp.remat.flops import FLOP_FORMULAS
 from lightning_tbp.remat.lazy import lazy_recompute
 from lightning_tbp.remat.simulate import Option
 
 
-def is_heavy(op: torch._ops.OpOverload) -> bool:
+def is_heavy(op: OpOverload) -> bool:
     """Ops the planner treats as expensive (matmul, convolution, attention): those with a FLOP formula."""
-    return op._overloadpacket in _HEAVY_PACKETS
+    return op_packet(op) in _HEAVY_PACKETS
 
 
 class _CacheFirstHeavyOps:
@@ -40,7 +41,7 @@ class _CacheFirstHeavyOps:
         self.limit = limit
         self.seen = 0
 
-    def __call__(self, ctx: Any, op: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    def __call__(self, ctx: Any, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if is_heavy(op):
             self.seen += 1
             if self.seen <= self.limit:

@@ -24,9 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_tbp.compat import TorchDispatchMode, op_schema, tree_flatten, tree_map
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, measure_peak, profiler_active
 
 
@@ -106,7 +105,7 @@ _TIMING_RUNS = 2
 
 def _is_view(func: Any) -> bool:
     """An op whose outputs alias an input without writing to it (view, transpose, expand, ...)."""
-    returns = func._schema.returns
+    returns = op_schema(func).returns
     return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count, shape_wrapper
 
+from lightning_tbp.compat import OpOverload, op_packet
+
 aten = torch.ops.aten
 
 
@@ -28,9 +30,9 @@ if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
 _EXTRA = {packet: shape_wrapper(formula) for packet, formula in FLOP_FORMULAS.items()}
 
 
-def flop_count(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
+def flop_count(func: OpOverload, args: tuple, kwargs: dict, out: object) -> int:
     """FLOPs of ``func(*args, **kwargs) -> out``; 0 for ops without a formula."""
-    packet = func._overloadpacket
+    packet = op_packet(func)
     formula = flop_registry.get(packet) or _EXTRA.get(packet)
     if formula is None:
         return 0

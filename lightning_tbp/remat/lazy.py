@@ -21,8 +21,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
+
+from lightning_tbp.compat import TorchDispatchMode, op_packet, tree_map
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ MIN_LAZY_BYTES = 16 * 1024
 
 
 def is_recomputable(func: Any) -> bool:
-    return func._overloadpacket in RECOMPUTABLE
+    return op_packet(func) in RECOMPUTABLE
 
 
 class Recipe:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
+from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.apply import InstalledWrappers

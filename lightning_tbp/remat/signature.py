@@ -11,7 +11,8 @@ repeated up to the ceiling (zeros for an empty batch).
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_tbp.compat import tree_flatten, tree_unflatten
 
 Signature = tuple
 

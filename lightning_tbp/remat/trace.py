@@ -24,9 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_tbp.compat import TorchDispatchMode, tree_flatten
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
 from lightning_tbp.remat.flops import flop_count

@@ -28,7 +28,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from lightning_tbp.memory.held import HeldMemory, held_memory
-from lightning_tbp.privacy import BACKWARD_PASSES
+from lightning_tbp.privacy import BACKWARD_PASSES, STEP_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.strategies.privacy import PrivacyConfig, PrivateTraining
@@ -36,6 +36,34 @@ from lightning_tbp.strategies.privacy import PrivacyConfig, PrivateTraining
 
 class PlanAgreementError(RuntimeError):
     """The processes of a distributed run could not agree on one plan (raised on every rank)."""
+
+
+def _private_training(
+    dp: str | None,
+    max_grad_norm: float | None,
+    noise_multiplier: float | None,
+    target_epsilon: float | None,
+    target_delta: float | None,
+    accountant: str | None,
+) -> PrivateTraining | None:
+    """The DP part of a strategy, or None; DP options without ``dp`` are an error, not a silent no-op."""
+    options = {
+        "max_grad_norm": max_grad_norm,
+        "noise_multiplier": noise_multiplier,
+        "target_epsilon": target_epsilon,
+        "target_delta": target_delta,
+        "accountant": accountant,
+    }
+    given = {name: value for name, value in options.items() if value is not None}
+    if dp is None:
+        if given:
+            raise ValueError(
+                f"DP options {', '.join(f'{k}={v!r}' for k, v in given.items())} were given without dp=...: the run "
+                "would train without privacy. Choose a mode (dp='ghost', 'flash', 'bookkeeping' or "
+                "'flash_bookkeeping') or drop them"
+            )
+        return None
+    return PrivateTraining(PrivacyConfig(dp, **given))
 
 
 class TinyBackpropMixin:
@@ -51,7 +79,7 @@ class TinyBackpropMixin:
         dp: train with differential privacy: ``"ghost"``, ``"flash"``, ``"bookkeeping"`` or
             ``"flash_bookkeeping"`` (None: no DP). ``training_step`` must then return the
             per-sample loss, shape [batch].
-        max_grad_norm: the per-sample clipping threshold C.
+        max_grad_norm: the per-sample clipping threshold C (1.0 when not given).
         noise_multiplier: sigma (noise std sigma·C on the summed gradient); or instead
         target_epsilon: calibrate sigma so the planned steps spend at most this epsilon.
         target_delta: the delta of (epsilon, delta)-DP.
@@ -63,24 +91,18 @@ class TinyBackpropMixin:
         memory_budget: object = "auto",
         target: str | None = None,
         dp: str | None = None,
-        max_grad_norm: float = 1.0,
+        max_grad_norm: float | None = None,
         noise_multiplier: float | None = None,
         target_epsilon: float | None = None,
-        target_delta: float = 1e-5,
-        accountant: str = "prv",
+        target_delta: float | None = None,
+        accountant: str | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         # fail on bad options before training
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
-        self.privacy = (
-            None
-            if dp is None
-            else PrivateTraining(
-                PrivacyConfig(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
-            )
-        )
-        if self.privacy is not None and self.memory_budget is not None and BACKWARD_PASSES[dp] == 1:
+        self.privacy = _private_training(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
+        if self.privacy is not None and self.memory_budget is not None and STEP_PASSES[dp] == 1:
             warnings.warn(
                 f"lightning_tbp: dp={dp!r} records every layer's input and output gradient until the backward "
                 "ends, so it holds again what the rematerialization plan recomputes: the plan costs recompute "
@@ -218,11 +240,23 @@ class TinyBackpropMixin:
                 f"({measured.measured_peak_bytes / measured.predicted_peak_bytes:.3f}x) on rank 0"
             )
 
+    def makes_plan(self) -> bool:
+        """Whether the first training batch makes (and meters) a rematerialization plan."""
+        return self.memory_budget is not None
+
+    def dp_buffer_stats(self) -> BufferStats | None:
+        """The DP engine's held bytes (per-sample norms, materialised per-sample gradients,
+        bookkeeping's operands): now, and the peak of its last backward. None without DP."""
+        if self.privacy is None or self.privacy.engine is None:
+            return None
+        return self.privacy.engine.buffers
+
     def memory_report_config(self) -> dict[str, Any]:
         """What ``MemoryProfilerCallback`` records about this strategy: the plan in force, the DP mode."""
-        dp = (
-            None if self.privacy is None else {**self.privacy.state_dict()["config"], "epsilon": self.privacy.epsilon()}
-        )
+        dp = None
+        if self.privacy is not None:
+            state = self.privacy.state_dict()
+            dp = {**state["config"], **{k: state[k] for k in ("epsilon", "noise_multiplier", "planned_steps")}}
         if self.plan is None or self.plan.current is None:
             return {"plan": None, "dp": dp}
         summary = self.plan.to_dict()

@@ -26,8 +26,8 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_tbp.compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
@@ -37,9 +37,9 @@ def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
     for tensor in tensors:
         by_dtype.setdefault(tensor.dtype, []).append(tensor)
     for group in by_dtype.values():
-        flat = _flatten_dense_tensors(group)
+        flat = flatten_dense_tensors(group)
         dist.all_reduce(flat)
-        for tensor, summed in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+        for tensor, summed in zip(group, unflatten_dense_tensors(flat, group), strict=True):
             tensor.copy_(summed)
 
 

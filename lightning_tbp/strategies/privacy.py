@@ -10,6 +10,7 @@ Lightning checkpoints, so a resumed run keeps the privacy it already spent.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -18,11 +19,11 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader
 
+from lightning_tbp.compat import foreach_div_, tree_flatten
 from lightning_tbp.privacy import MODES, DPEngine, PerSampleLossError, attach
-from lightning_tbp.privacy.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise
+from lightning_tbp.privacy.accounting import ACCOUNTANTS, PrivacyAccountant, calibrate_noise, epsilon_of
 from lightning_tbp.privacy.sampling import poisson_loader
 
 
@@ -44,8 +45,21 @@ class PrivacyConfig:
             raise ValueError(f"accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
         if (self.noise_multiplier is None) == (self.target_epsilon is None):
             raise ValueError("with dp, give exactly one of noise_multiplier and target_epsilon")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be positive, got {self.max_grad_norm}")
+        _require(self.max_grad_norm, "max_grad_norm", "positive", lambda v: v > 0)
+        if self.noise_multiplier is not None:
+            _require(self.noise_multiplier, "noise_multiplier", "non-negative", lambda v: v >= 0)
+        if self.target_epsilon is not None:
+            _require(self.target_epsilon, "target_epsilon", "positive", lambda v: v > 0)
+        _require(self.target_delta, "target_delta", "in (0, 1)", lambda v: 0 < v < 1)
+
+
+def _require(value: float, name: str, what: str, ok: Callable[[float], bool]) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and ok(value)):
+        raise ValueError(f"{name} must be {what} and finite, got {value!r}")
+
+
+class PrivacyBudgetExceededError(RuntimeError):
+    """A step would take the run past its target ε (more steps than it was calibrated for)."""
 
 
 def wants_per_sample_loss(trainer: pl.Trainer | None) -> bool:
@@ -64,6 +78,7 @@ class PrivateTraining:
         self.sample_rate: float | None = None
         self.expected_batch_size: float | None = None
         self.micro_batch_ceiling: int | None = None
+        self.planned_steps = 0
         self.gradient_sum: Callable[[list[torch.Tensor]], None] | None = None
         self.callback = PrivacyCallback(self)
 
@@ -94,16 +109,9 @@ class PrivateTraining:
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * sampler.num_samples
         self.micro_batch_ceiling = sampler.micro_batch_ceiling()
-        if self.noise_multiplier is None:  # target_epsilon, and not restored from a checkpoint
-            steps = trainer.max_steps if trainer.max_steps > 0 else (trainer.max_epochs or 0) * sampler.steps
-            self.noise_multiplier = calibrate_noise(
-                self.config.target_epsilon, self.config.target_delta, self.sample_rate, steps, self.config.accountant
-            )
-            rank_zero_info(
-                f"DP: noise multiplier {self.noise_multiplier:.4f} keeps {steps} steps at sampling rate "
-                f"{self.sample_rate:.5f} within epsilon {self.config.target_epsilon} "
-                f"(delta {self.config.target_delta}, {self.config.accountant} accountant)"
-            )
+        self.planned_steps = trainer.max_steps if trainer.max_steps > 0 else (trainer.max_epochs or 0) * sampler.steps
+        if self.config.target_epsilon is not None:
+            self._calibrate()
         self.engine.noise_multiplier = self.noise_multiplier
         rank_zero_info(
             f"DP ({self.config.mode}): Poisson sampling, expected logical batch {self.expected_batch_size:g} "
@@ -111,6 +119,32 @@ class PrivateTraining:
             f"noise multiplier {self.noise_multiplier:.4f}"
         )
         return private
+
+    def _calibrate(self) -> None:
+        """Noise for the steps still planned, given what the run (a resumed one too) already spent."""
+        history = list(self.accountant.history)
+        taken = self.accountant.steps
+        remaining = self.planned_steps - taken
+        self.noise_multiplier = calibrate_noise(
+            self.config.target_epsilon,
+            self.config.target_delta,
+            self.sample_rate,
+            remaining,
+            self.config.accountant,
+            history,
+        )
+        spent = f", after epsilon {self.epsilon():.3f} spent in {taken} steps" if taken else ""
+        rank_zero_info(
+            f"DP: noise multiplier {self.noise_multiplier:.4f} keeps {remaining} steps at sampling rate "
+            f"{self.sample_rate:.5f} within epsilon {self.config.target_epsilon}{spent} "
+            f"(delta {self.config.target_delta}, {self.config.accountant} accountant)"
+        )
+
+    def planned_epsilon(self) -> float:
+        """ε at the end of the planned steps, if they run at the current noise."""
+        remaining = max(0, self.planned_steps - self.accountant.steps)
+        future = [(self.noise_multiplier, self.sample_rate, remaining)] if remaining else []
+        return epsilon_of([*self.accountant.history, *future], self.config.target_delta, self.config.accountant)
 
     def backward(self, loss: torch.Tensor, trainer: pl.Trainer) -> None:
         if loss.dim() != 1:
@@ -134,6 +168,13 @@ class PrivateTraining:
 
         With several processes each holds the clipped sum of its own samples: one process adds
         the noise (``add_noise``), the sums are added up, so the global batch gets noise once."""
+        if self.config.target_epsilon is not None and self.accountant.steps >= self.planned_steps:
+            raise PrivacyBudgetExceededError(
+                f"this would be step {self.accountant.steps + 1} of a run calibrated for {self.planned_steps} steps "
+                f"within epsilon {self.config.target_epsilon}: it would spend more (epsilon now "
+                f"{self.epsilon():.3f}). Stop at the planned steps, or resume with a larger target_epsilon or "
+                "max_steps/max_epochs so the noise is recalibrated"
+            )
         if add_noise or self.gradient_sum is None:
             self.engine.add_noise()
         grads = []
@@ -143,7 +184,7 @@ class PrivateTraining:
             grads.append(param.grad)
         if self.gradient_sum is not None:
             self.gradient_sum(grads)
-        torch._foreach_div_(grads, self.expected_batch_size)
+        foreach_div_(grads, self.expected_batch_size)
         self.accountant.step(self.noise_multiplier, self.sample_rate)
 
     def epsilon(self) -> float:
@@ -153,13 +194,15 @@ class PrivateTraining:
         return {
             "config": asdict(self.config),
             "noise_multiplier": self.noise_multiplier,
+            "planned_steps": self.planned_steps,
+            "epsilon": self.epsilon(),
             **self.accountant.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the privacy spent; with target_epsilon the noise is recalibrated for the steps
+        still planned (``process_train_loader``), so a resumed run lands on its target."""
         self.accountant.load_state_dict(state)
-        if self.config.target_epsilon is not None:
-            self.noise_multiplier = state["noise_multiplier"]  # keep the calibration the run started with
 
     def teardown(self) -> None:
         if self.engine is not None:
@@ -174,11 +217,13 @@ class PrivacyCallback(Callback):
         self.training = training
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        epsilon = self.training.epsilon()
+        epsilon, planned = self.training.epsilon(), self.training.planned_epsilon()
         pl_module.log("dp/epsilon", epsilon, on_epoch=True, on_step=False)
+        pl_module.log("dp/epsilon_planned", planned, on_epoch=True, on_step=False)
         rank_zero_info(
             f"DP: epsilon {epsilon:.3f} (delta {self.training.config.target_delta}) after "
-            f"{self.training.accountant.steps} steps"
+            f"{self.training.accountant.steps} steps; {planned:.3f} at the end of the {self.training.planned_steps} "
+            "planned"
         )
 
     def state_dict(self) -> dict[str, Any]:

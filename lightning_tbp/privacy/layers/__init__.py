@@ -1,6 +1,6 @@
 """Per-layer per-sample gradient handlers, registered by layer type (one module per family)."""
 
-from lightning_tbp.privacy.layers import conv, embedding, linear, normalization  # noqa: F401  (registers)
+from lightning_tbp.privacy.layers import conv, diffusers_norms, embedding, linear, normalization  # noqa: F401 (registers)
 from lightning_tbp.privacy.layers.registry import (
     Grads,
     LayerHandler,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_tbp.compat import conv_explicit_padding, conv_forward
 from lightning_tbp.privacy.layers.linear import OuterProductHandler
 from lightning_tbp.privacy.layers.registry import register
 
@@ -17,7 +18,7 @@ from lightning_tbp.privacy.layers.registry import register
 class ConvHandler(OuterProductHandler):
     def forward(self, module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         bias = None if module.bias is None else module.bias.detach()
-        return module._conv_forward(x, module.weight.detach(), bias), (x,)
+        return conv_forward(module, x, module.weight.detach(), bias), (x,)
 
     def operands(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> tuple[Tensor, Tensor]:
         (x,) = saved
@@ -26,7 +27,7 @@ class ConvHandler(OuterProductHandler):
         if module.padding_mode != "zeros" or isinstance(module.padding, str):
             # The same explicit padding the layer's own forward applies (torch computes it for 'same').
             mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-            x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+            x = F.pad(x, conv_explicit_padding(module), mode=mode)
             padding = (0,) * len(module.kernel_size)
         kernel, dilation, stride = module.kernel_size, module.dilation, module.stride
         if one_d:

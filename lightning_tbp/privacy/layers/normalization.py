@@ -41,13 +41,18 @@ class AffineNormHandler(LayerHandler):
     def per_sample_grads(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> Grads:
         (normalised,) = saved
         shape = self.affine_view(module, normalised)
+        # dims the parameter broadcasts over; none when its shape covers every non-batch dim
         summed = [d for d in range(1, grad_output.dim()) if shape[d] == 1]
         g = grad_output.float()
         params, grads = trainable(module), {}
+
+        def per_sample(x: Tensor, param: Tensor) -> Tensor:
+            return (x.sum(dim=summed) if summed else x).reshape(-1, *param.shape)
+
         if "weight" in params:
-            grads["weight"] = (g * normalised.float()).sum(dim=summed).reshape(-1, *params["weight"].shape)
+            grads["weight"] = per_sample(g * normalised.float(), params["weight"])
         if "bias" in params:
-            grads["bias"] = g.sum(dim=summed).reshape(-1, *params["bias"].shape)
+            grads["bias"] = per_sample(g, params["bias"])
         return grads
 
     def norm_sq(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, method: str) -> Tensor:
@@ -68,19 +73,24 @@ class GroupNormHandler(AffineNormHandler):
         return (1, x.shape[1]) + (1,) * (x.dim() - 2)
 
 
-class _TrailingNormHandler(AffineNormHandler):
+class TrailingNormHandler(AffineNormHandler):
+    """Norms whose parameters cover the trailing dimensions of the input."""
+
+    def normalized_shape(self, module: nn.Module) -> tuple[int, ...]:
+        return tuple(module.normalized_shape)
+
     def affine_view(self, module: nn.Module, x: Tensor) -> tuple[int, ...]:
-        shape = tuple(module.normalized_shape)
+        shape = self.normalized_shape(module)
         return (1,) * (x.dim() - len(shape)) + shape
 
 
 @register(nn.LayerNorm)
-class LayerNormHandler(_TrailingNormHandler):
+class LayerNormHandler(TrailingNormHandler):
     def normalise(self, module: nn.Module, x: Tensor) -> Tensor:
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
 
 
 @register(nn.RMSNorm)
-class RMSNormHandler(_TrailingNormHandler):
+class RMSNormHandler(TrailingNormHandler):
     def normalise(self, module: nn.Module, x: Tensor) -> Tensor:
         return F.rms_norm(x, module.normalized_shape, None, module.eps)

@@ -19,11 +19,16 @@ Grads = dict[str, Tensor]
 
 
 class UnsupportedLayerError(TypeError):
-    """A trainable module has no per-sample handler (or a forward the handler cannot trust)."""
+    """A layer is used in a way per-sample clipping cannot support (it couples the samples of a
+    batch, or rewrites its own weight in the forward)."""
 
 
 class LayerHandler(ABC):
     """Per-sample clipping for one layer type. Stateless: one instance serves every module."""
+
+    param_names: tuple[str, ...] = ("weight", "bias")
+    """The layer's parameters this handler clips; any other trainable parameter the module owns
+    is clipped through the ops that use it (see ``tracked.py``)."""
 
     @abstractmethod
     def forward(self, module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
@@ -69,24 +74,14 @@ def supported_types() -> list[str]:
     return sorted(t.__name__ for t in _HANDLERS)
 
 
-def handler_for(module: nn.Module, name: str) -> LayerHandler:
-    """The handler for ``module`` (called ``name`` in errors), or ``UnsupportedLayerError``."""
+def handler_for(module: nn.Module) -> LayerHandler | None:
+    """The handler for ``module``, or None: no handler is registered for its type, or its class
+    overrides the registered type's forward (the handler's derivation would not be its forward's)."""
     for layer_type in type(module).__mro__:
         handler = _HANDLERS.get(layer_type)
-        if handler is None:
-            continue
-        if type(module).forward is not layer_type.forward:
-            raise UnsupportedLayerError(
-                f"module {name!r} ({type(module).__name__}) subclasses {layer_type.__name__} but overrides "
-                "forward, so its per-sample gradients cannot be derived from the base layer; freeze it or "
-                "register a handler for it with lightning_tbp.privacy.register"
-            )
-        return handler
-    raise UnsupportedLayerError(
-        f"module {name!r} ({type(module).__name__}) has trainable parameters but no per-sample gradient "
-        f"handler; supported layers: {', '.join(supported_types())}. Freeze it (requires_grad_(False)) or "
-        "register a handler with lightning_tbp.privacy.register"
-    )
+        if handler is not None:
+            return handler if type(module).forward is layer_type.forward else None
+    return None
 
 
 def trainable(module: nn.Module) -> dict[str, nn.Parameter]:

@@ -1,0 +1,59 @@
+"""Every private torch API lightning_tbp uses, in one place, each with why and a test.
+
+torch keeps these names out of its public API, so a release may move or change them; when one
+breaks, this module (and ``tests/test_compat.py``, which exercises each) is the only place to fix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The base class of dispatch modes (the planner's profiler, lazy recipes, the CPU meter's no-op
+# mode); torch documents subclassing it, but it lives in a private module.
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+
+# Pytrees: torch's own flattening of nested args/kwargs (tuples, lists, dicts, dataclass-like
+# outputs registered by torch); there is no public module for it in torch 2.13.
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401
+
+# Device type constants of the profiler's memory events (the exact CPU meter filters on them).
+from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
+
+# Flattening gradients into one buffer for a single all-reduce (DP's gradient sum over ranks).
+from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: F401  # isort: skip
+from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors  # noqa: F401  # isort: skip
+
+OpOverload = torch._ops.OpOverload
+"""The type of an aten op seen by a dispatch mode (``torch.ops.aten.mm.default``)."""
+
+
+def op_packet(op: OpOverload) -> Any:
+    """The overload packet of an aten op (``aten.mm`` for ``aten.mm.default``): ops are keyed by it."""
+    return op._overloadpacket
+
+
+def op_schema(op: OpOverload) -> Any:
+    """The op's schema (its arguments and which outputs alias inputs)."""
+    return op._schema
+
+
+def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way."""
+    return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
+    """Divide many tensors in place in one fused call (the averaged DP gradient)."""
+    torch._foreach_div_(tensors, divisor)
+
+
+def conv_forward(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """A Conv layer's own forward with the given weight: its padding modes stay exactly as the layer applies them."""
+    return module._conv_forward(x, weight, bias)
+
+
+def conv_explicit_padding(module: torch.nn.Module) -> tuple[int, ...]:
+    """The padding a Conv layer applies with ``F.pad`` itself (non-zero padding modes, 'same')."""
+    return module._reversed_padding_repeated_twice

@@ -1,0 +1,76 @@
+"""Each private torch API behind ``lightning_tbp.compat`` does what the code relies on.
+
+A torch release that moves or changes one fails here, by name, rather than deep inside a plan or
+a DP step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_tbp import compat
+
+
+def test_pytrees_flatten_and_rebuild_nested_arguments() -> None:
+    tree = ((torch.ones(1), 2), {"a": [torch.zeros(2)], "b": None})
+    leaves, spec = compat.tree_flatten(tree)
+    assert len(leaves) == 4 and isinstance(leaves[0], torch.Tensor)
+    rebuilt = compat.tree_unflatten(leaves, spec)
+    assert rebuilt[1]["a"][0] is tree[1]["a"][0]
+    doubled = compat.tree_map(lambda x: x * 2 if isinstance(x, torch.Tensor) else x, tree)
+    assert float(doubled[0][0]) == 2.0 and doubled[0][1] == 2
+
+
+def test_dispatch_modes_see_aten_ops_with_packet_and_schema() -> None:
+    seen = []
+
+    class Recorder(compat.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.ones(2, 2), torch.ones(2, 2)
+    with Recorder():
+        torch.mm(a, b).t()
+    assert isinstance(seen[0], compat.OpOverload)
+    assert compat.op_packet(seen[0]) is torch.ops.aten.mm
+    transpose = next(op for op in seen if compat.op_packet(op) is torch.ops.aten.t)
+    assert compat.op_schema(transpose).returns[0].alias_info is not None  # a view
+
+
+def test_profiler_memory_events_carry_device_types() -> None:
+    assert compat.DeviceType.CPU != compat.DeviceType.CUDA
+
+
+def test_dense_tensors_flatten_into_one_buffer_and_back() -> None:
+    tensors = [torch.arange(3.0), torch.ones(2, 2)]
+    flat = compat.flatten_dense_tensors(tensors)
+    assert flat.shape == (7,)
+    back = compat.unflatten_dense_tensors(flat * 2, tensors)
+    assert torch.equal(back[1], torch.full((2, 2), 2.0))
+
+
+def test_leaf_subclasses_share_storage_and_require_grad() -> None:
+    class Tagged(torch.Tensor):
+        pass
+
+    data = torch.arange(4.0)
+    tagged = compat.make_leaf_subclass(Tagged, data, True)
+    assert type(tagged) is Tagged and tagged.is_leaf and tagged.requires_grad
+    assert tagged.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+
+
+def test_foreach_division_in_place() -> None:
+    tensors = [torch.full((2,), 4.0), torch.full((3,), 8.0)]
+    compat.foreach_div_(tensors, 4.0)
+    assert torch.equal(tensors[1], torch.full((3,), 2.0))
+
+
+def test_conv_layers_run_with_a_given_weight_and_report_their_explicit_padding() -> None:
+    conv = nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect")
+    x = torch.randn(1, 2, 5, 5)
+    torch.testing.assert_close(compat.conv_forward(conv, x, conv.weight, conv.bias), conv(x))
+    padded = F.pad(x, compat.conv_explicit_padding(conv), mode="reflect")
+    torch.testing.assert_close(F.conv2d(padded, conv.weight, conv.bias), conv(x))

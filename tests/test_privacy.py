@@ -30,6 +30,7 @@ from lightning_tbp.privacy import (
 )
 from lightning_tbp.privacy.layers import outer
 from lightning_tbp.remat import Option, Plan
+from lightning_tbp.remat.apply import InstalledWrappers
 
 
 class Toy(nn.Module):
@@ -230,30 +231,32 @@ def test_every_mode_equals_the_vmap_clipped_sum(name: str, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["unet", "cond_unet", "dit"])
 def test_every_mode_is_exact_with_the_rematerialization_plan(name: str, mode: str) -> None:
-    dp_step(name, mode, plan_budget=0.6)
+    # the tiny DiT's floor is higher: each of its many small checkpoints stashes a 5 KiB CPU RNG state
+    dp_step(name, mode, plan_budget=0.85 if name == "dit" else 0.6)
 
 
-@pytest.mark.usefixtures("flop_priced_plans")
-def test_two_pass_modes_get_plans_without_selective_blocks_and_a_clear_error_otherwise() -> None:
-    """Torch's selective checkpoint hands its cache to the first backward only; ghost and flash
-    backpropagate twice. Plans for two passes leave selective blocks out; a one-pass plan under
-    ghost fails with an error that says what to do."""
+def test_dp_plans_leave_selective_blocks_out_and_a_selective_block_fails_clearly() -> None:
+    """Torch's selective checkpoint hands its cache to the first backward only; every DP mode
+    backpropagates a graph more than once (ghost/flash's two passes, the first step's probe).
+    Plans for them leave selective blocks out; a selective block met anyway stops the step with an
+    error that says what to do."""
     model, data, loss, call_args, *_ = reference("unet")
     args, kwargs = call_args(data)
-    chosen = {}
-    for passes in (1, 2):
-        plan = Plan(model, 0.6, backward_passes=passes)
+    for mode in MODES:
+        plan = Plan(model, 0.6, backward_passes=BACKWARD_PASSES[mode])
         with torch.enable_grad():
             plan.plan_for(args, kwargs)
-        chosen[passes] = set(plan.current.options.values())
-        if passes == 1:
-            engine = attach(model, mode="ghost", max_grad_norm=1.0, noise_multiplier=0.0)
-            with pytest.raises(RuntimeError, match=rf"backward_passes={BACKWARD_PASSES['ghost']}"):
-                engine.backward(loss(model, data))
-            engine.detach()
+        assert Option.SELECTIVE not in set(plan.current.options.values()) and plan.current.options
         plan.remove()
-    assert Option.SELECTIVE in chosen[1]
-    assert Option.SELECTIVE not in chosen[2] and chosen[2] - {Option.KEEP}
+    wrappers = InstalledWrappers(model, {"mid_block.resnets.0": Option.SELECTIVE}, {"mid_block.resnets.0": 99})
+    wrappers.ensure(["mid_block.resnets.0"])
+    engine = attach(model, mode="ghost", max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        with pytest.raises(RuntimeError, match=rf"backward_passes={BACKWARD_PASSES['ghost']}"):
+            engine.backward(loss(model, data))
+    finally:
+        engine.detach()
+        wrappers.remove()
     with pytest.raises(ValueError, match="backward_passes"):
         Plan(model, 0.6, backward_passes=0)
 

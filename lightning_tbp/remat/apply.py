@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.utils.flop_counter import flop_registry
 
-from lightning_tbp.compat import OpOverload, op_packet
+from lightning_tbp.compat import OpOverload, op_packet, tree_flatten, tree_unflatten
 from lightning_tbp.remat.flops import FLOP_FORMULAS
 from lightning_tbp.remat.lazy import lazy_recompute
 from lightning_tbp.remat.simulate import Option
@@ -69,9 +69,32 @@ def _checkpointed_forward(
         if option == Option.SELECTIVE:
             limit = cache_limits[path]
             extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
-        return checkpoint(original, *args, use_reentrant=False, preserve_rng_state=True, **extra, **kwargs)
+        call, tensors = _positional_call(original, args, kwargs)
+        return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
 
     return forward
+
+
+def _positional_call(function: Callable[..., Any], args: tuple, kwargs: dict) -> tuple[Callable[..., Any], list]:
+    """``function(*args, **kwargs)`` as a call that takes every tensor positionally.
+
+    torch's non-reentrant checkpoint saves positional tensors as saved tensors (an enclosing
+    checkpoint then drops them too), but its recomputation closure holds keyword arguments
+    strongly until the block's backward, even under an enclosing checkpoint. diffusers calls
+    attention blocks with keyword tensors, so nested plans would otherwise keep them all.
+    """
+    leaves, spec = tree_flatten((args, kwargs))
+    positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    template = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]  # no tensor captured
+
+    def call(*tensors: torch.Tensor) -> Any:
+        filled = list(template)
+        for position, tensor in zip(positions, tensors, strict=True):
+            filled[position] = tensor
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return function(*call_args, **call_kwargs)
+
+    return call, [leaves[i] for i in positions]
 
 
 class InstalledWrappers:

@@ -30,6 +30,7 @@ Memory is counted above the state before the forward (parameters and inputs are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -42,6 +43,9 @@ _SLICING_BACKWARD = ("cat.",)
 #: Besides heavy ops (conv, matmul, attention), ops whose backward copies a non-contiguous
 #: output gradient (such as a slice view from ``cat``) to a contiguous one first.
 _CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
+#: Ops whose backward hands each input the output gradient itself (an alias, no new memory); a
+#: later contribution to such an input's gradient is summed into a new buffer.
+_ALIASING_BACKWARD = ("add.Tensor", "clone.", "alias.", "detach.")
 #: Ops whose backward passes the output gradient on without allocating a new tensor.
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
@@ -119,6 +123,7 @@ class Simulator:
             if producer >= 0:
                 self.grads_freed[producer].append(sid)
         self.slices_grad = [op.startswith(_SLICING_BACKWARD) for op in trace.event_op]
+        self.aliases_grad = [op.startswith(_ALIASING_BACKWARD) for op in trace.event_op]
         self.passes_grad = [op.startswith(_PASS_THROUGH_BACKWARD) for op in trace.event_op]
         self.needs_contiguous_grad = [
             heavy or op.startswith(_CONTIGUOUS_GRAD_BACKWARD)
@@ -153,7 +158,10 @@ class Simulator:
         """What a lazy ``block`` keeps for saved storage ``sid``: (leaves, rebuild bytes, rebuild cost).
 
         Mirrors ``lazy.py``: a storage made by a recomputable op inside the block is rebuilt from
-        its inputs, recursively; anything else (and any small tensor) is kept as it is.
+        its inputs, recursively; anything else (and any small tensor) is kept as it is. Rebuilding
+        materialises the op's recipe inputs one after another, then the op's output, and drops the
+        inputs: the rebuild's peak is that of the deepest input plus the inputs built before it,
+        or all inputs and the output together (so a long chain costs two tensors, not its length).
         """
         trace = self.trace
         producer = trace.storage_producer[sid]
@@ -161,14 +169,16 @@ class Simulator:
         if producer < lo or producer > hi or not trace.event_recomputable[producer]:
             return [sid], 0, 0.0
         leaves: list[int] = []
-        rebuild, cost = 0, trace.event_cost[producer]
+        built, peak, cost = 0, 0, trace.event_cost[producer]
         for source in trace.event_inputs[producer]:
             if not trace.storage_is_activation[source]:
                 continue
-            sub_leaves, sub_rebuild, sub_cost = self.lazy_leaves(source, block)
+            sub_leaves, sub_peak, sub_cost = self.lazy_leaves(source, block)
             leaves += sub_leaves
-            rebuild, cost = max(rebuild, sub_rebuild), cost + sub_cost
-        return leaves, rebuild + self.sizes[sid], cost
+            peak, cost = max(peak, built + sub_peak), cost + sub_cost
+            if sub_peak:  # rebuilt, so it is new memory until this op has run
+                built += self.sizes[source]
+        return leaves, max(peak, built + self.sizes[sid]), cost
 
     def stop_after(self, first: int, last: int, inner_starts: tuple[int, ...] = ()) -> int:
         """Last event a recomputation of events ``first..last`` runs (``first - 1``: none).
@@ -211,13 +221,15 @@ class _Replay:
         self.python_refs: set[int] = set()
         self.alive: set[int] = set()
         self.grads: set[int] = set()
-        self.grad_view_of: dict[int, int] = {}  # grad of sid is a view into grad of value
+        self.grad_view_of: dict[int, int] = {}  # grad of sid is a view into the grad buffer of value
+        self.grad_slices: set[int] = set()  # of those, the non-contiguous ones (slices of a cat's)
         self.grad_views: dict[int, int] = {}  # number of views into a grad buffer
         self.grad_orphans: set[int] = set()  # freed grads whose buffer views keep alive
         self.event_holds: dict[int, list[int]] = {}
         self.node_inputs: dict[int, list[int]] = {}
         self.node_cache: dict[int, list[int]] = {}
-        self.rebuilds: dict[int, int] = {}  # lazy blocks: bytes an event's backward rebuilds
+        # lazy blocks: (peak while rebuilding, bytes left rebuilt) of an event's backward's unpacks
+        self.rebuilds: dict[int, tuple[int, int]] = {}
         self.mem = 0
         self.peak = 0
         self.step = 0
@@ -284,8 +296,9 @@ class _Replay:
                     self.alive.add(leaf)
                     self.mem += self.size(leaf)
             held += self.hold(leaves)
-            if rebuild:
-                self.rebuilds[event] = self.rebuilds.get(event, 0) + rebuild
+            if rebuild:  # unpacked one after another: earlier ones stay rebuilt while later ones are
+                peak, rebuilt = self.rebuilds.get(event, (0, 0))
+                self.rebuilds[event] = (max(peak, rebuilt + rebuild), rebuilt + self.sim.sizes[sid])
                 self.recompute_cost += cost
         return held
 
@@ -318,8 +331,7 @@ class _Replay:
         for event in range(lo, hi + 1):
             ctx = sim.context(trace.event_node[event], region, options)
             if ctx >= 0 and event == sim.first[ctx]:
-                self.node_inputs[ctx] = self.hold([mapped(s) for s in trace.nodes[ctx].inputs])
-                self.node_cache[ctx] = []
+                self.enter_checkpoint(ctx, mapped)
             cached = selective_recompute and trace.event_heavy[event] and event <= cache_end
             for sid in trace.event_outputs[event]:
                 if cached or not sim.is_activation[sid]:
@@ -352,10 +364,39 @@ class _Replay:
                 sid = mapped(sid)
                 self.python_refs.discard(sid)
                 self.maybe_free(sid)
+        if recompute and hi < sim.last[region]:
+            self.pack_at_stop(region, hi + 1, mapped)
         if recompute:  # the recomputed function's own results are dropped when it returns
             for sid in remap.values():
                 self.python_refs.discard(sid)
                 self.maybe_free(sid)
+
+    def enter_checkpoint(self, ctx: int, mapped: Callable[[int], int]) -> None:
+        """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward."""
+        held = self.hold([mapped(s) for s in self.trace.nodes[ctx].inputs])
+        if self.trace.checkpoint_state_bytes:
+            state = self.next_sid
+            self.next_sid += 1
+            self.extra_sizes[state] = self.trace.checkpoint_state_bytes
+            self.alive.add(state)
+            self.mem += self.trace.checkpoint_state_bytes
+            held += self.hold([state])
+        self.node_inputs[ctx] = held
+        self.node_cache[ctx] = []
+
+    def pack_at_stop(self, region: int, stop: int, mapped: Callable[[int], int]) -> None:
+        """Hold what the event that ends a recomputation packs.
+
+        torch stops a recomputation at its last *pack*, and autograd packs an op's saved inputs
+        before the op runs (an inner checkpoint packs its inputs as it starts): the op itself is
+        not re-run, but what it packed stays in the checkpoint until its backward unpacks it.
+        """
+        sim, trace = self.sim, self.trace
+        ctx = sim.context(trace.event_node[stop], region, self.options)
+        if ctx >= 0 and stop == sim.first[ctx]:
+            self.enter_checkpoint(ctx, mapped)
+        elif ctx < 0 and trace.event_saves[stop]:
+            self.event_holds[stop] = self.hold([mapped(s) for s in trace.event_saves[stop]])
 
     def backward(self, region: int, lo: int, hi: int) -> None:
         sim, trace, options = self.sim, self.trace, self.options
@@ -393,26 +434,35 @@ class _Replay:
 
     def backward_event(self, event: int) -> None:
         sim, sizes = self.sim, self.sim.sizes
-        slicing = sim.slices_grad[event] and len(self.trace.event_outputs[event]) == 1
-        transient = self.trace.event_workspace[event] + self.rebuilds.pop(event, 0)
+        outputs = self.trace.event_outputs[event]
+        viewing = (sim.slices_grad[event] or sim.aliases_grad[event]) and len(outputs) == 1 and outputs[0] in self.grads
+        rebuild_peak, rebuilt = self.rebuilds.pop(event, (0, 0))
+        transient = self.trace.event_workspace[event] + rebuilt
+        created = self.mem
         for sid in sim.grads_created[event]:
             if sid in self.grads:
                 continue
             self.grads.add(sid)
-            if slicing:
-                out = self.trace.event_outputs[event][0]
-                self.grad_view_of[sid] = out
-                self.grad_views[out] = self.grad_views.get(out, 0) + 1
+            # an alias only where autograd hands the gradient on as it is: same size (no broadcast
+            # reduction), and not a parameter's (accumulated into its .grad)
+            if viewing and (sim.slices_grad[event] or (sim.is_activation[sid] and sizes[sid] == sizes[outputs[0]])):
+                base = self.grad_view_of.get(outputs[0], outputs[0])
+                self.grad_view_of[sid] = base
+                self.grad_views[base] = self.grad_views.get(base, 0) + 1
+                if sim.slices_grad[event] or outputs[0] in self.grad_slices:
+                    self.grad_slices.add(sid)
             else:
                 self.mem += sizes[sid]
         if sim.needs_contiguous_grad[event]:  # a slice-view gradient is copied to contiguous first
-            transient += sum(sizes[sid] for sid in self.trace.event_outputs[event] if sid in self.grad_view_of)
+            transient += sum(sizes[sid] for sid in outputs if sid in self.grad_slices)
         for sid in sim.grads_accumulated[event]:
             if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
                 self.mem += sizes[sid]
                 self.drop_grad_view(sid)
             elif not sim.passes_grad[event]:
                 transient += sizes[sid]
+        # the saved tensors are rebuilt (unpacked) before the op's backward allocates anything
+        transient = max(transient, rebuild_peak - (self.mem - created))
         self.mem += transient
         self.tick()
         self.mem -= transient
@@ -429,6 +479,7 @@ class _Replay:
                 self.mem -= sizes[sid]
 
     def drop_grad_view(self, sid: int) -> None:
+        self.grad_slices.discard(sid)
         base = self.grad_view_of.pop(sid)
         self.grad_views[base] -= 1
         if not self.grad_views[base] and base in self.grad_orphans:

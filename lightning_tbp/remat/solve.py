@@ -271,6 +271,8 @@ class Solver:
             if not node.has_events:
                 continue
             checkpointed_above = any(options[a] != Option.KEEP for a in self.ancestors[i])
+            if any(options[a] in _SOFT for a in self.ancestors[i]):
+                continue  # a selective or lazy block keeps its subtree plain (see the module doc)
             plain_below = not self.subtree_planned(i, options)
             if options[i] == Option.KEEP:
                 moves.append((i, Option.FULL))

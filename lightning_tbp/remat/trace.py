@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -30,6 +31,17 @@ from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
+
+#: Ops whose backward needs their own main result, saved right after they run (from torch's
+#: derivative formulas): where the next op also takes that result as input, the save is theirs.
+SAVES_OWN_RESULT = frozenset(
+    {
+        "relu", "sigmoid", "tanh", "exp", "expm1", "sqrt", "rsqrt", "reciprocal", "_softmax", "_log_softmax",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward", "_efficient_attention_forward",
+    }
+)  # fmt: skip
 
 
 @dataclass
@@ -77,6 +89,9 @@ class Trace:
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
     dispatch_overhead_ns: float = 0.0  # added to every op run under a Python dispatch mode
+    # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
+    # it stashes (a CPU tensor, so nothing on a GPU)
+    checkpoint_state_bytes: int = 0
 
     @property
     def num_events(self) -> int:
@@ -184,6 +199,7 @@ class _Recorder(TorchDispatchMode):
         event = trace.num_events
         inputs = tuple(dict.fromkeys(s for t in _tensors((args, kwargs)) if (s := self.sid_of(t)) is not None))
         input_set = set(inputs)
+        saves = self._settle_saves(input_set)  # before this op becomes the last event
         grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
         outputs: list[int] = []
         new_elements = 0
@@ -207,8 +223,7 @@ class _Recorder(TorchDispatchMode):
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
         trace.event_outputs.append(tuple(outputs))
-        trace.event_saves.append(self.pending_saves)
-        self.pending_saves = []
+        trace.event_saves.append(saves)
         trace.event_heavy.append(flops > 0)
         trace.event_recomputable.append(is_recomputable(func))
         trace.event_flops.append(flops)
@@ -217,21 +232,37 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def record_save(self, tensor: torch.Tensor) -> None:
-        """Attribute a tensor autograd saves to the op that saves it.
-
-        Autograd saves an op's *inputs* before the op reaches the dispatcher and its *outputs*
-        after, so an output of the latest event belongs to that event and anything else to the
-        next one.
-        """
+        """Note a tensor autograd saves; which op saved it is settled at the next op (``_settle_saves``)."""
         sid = self.sid_of(tensor)
-        if sid is None or not self.trace.storage_is_activation[sid]:
-            return  # parameters and buffers are not activation memory
+        if sid is not None and self.trace.storage_is_activation[sid]:  # parameters/buffers are not activations
+            self.pending_saves.append(sid)
+
+    def _settle_saves(self, next_inputs: set[int]) -> list[int]:
+        """Split the saves made since the last op between it and the op now dispatching.
+
+        Autograd saves an op's *outputs* after the op has run and its *inputs* before it runs, so
+        both land between two dispatches. A saved tensor that the new op takes as input is the
+        new op's (a norm saving the conv output it normalises), unless the last op made it and
+        is one that saves its own result (exp, softmax, attention) and it was saved only once; the
+        rest is the last op's. Returns the new op's saves and files the others.
+        """
         trace = self.trace
         last = trace.num_events - 1
-        if last >= 0 and sid in trace.event_outputs[last] and trace.event_node[last] == self.node_stack[-1]:
-            trace.event_saves[last].append(sid)
-        else:
-            self.pending_saves.append(sid)
+        last_outputs = set(trace.event_outputs[last]) if last >= 0 else set()
+        last_saves_result = last >= 0 and trace.event_op[last].split(".")[0] in SAVES_OWN_RESULT
+        counts = Counter(self.pending_saves)
+        mine: list[int] = []
+        for sid in self.pending_saves:
+            if last < 0:
+                mine.append(sid)
+            elif sid in next_inputs and not (sid in last_outputs and last_saves_result and counts[sid] == 1):
+                mine.append(sid)
+                counts[sid] -= 1  # a tensor saved twice: the last op's result and the new op's input
+                last_saves_result = last_saves_result and counts[sid] > 0
+            else:
+                trace.event_saves[last].append(sid)
+        self.pending_saves = []
+        return mine
 
     def finish(self) -> None:
         if self.pending_saves and self.trace.num_events:
@@ -346,7 +377,9 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
         trace.event_workspace[event] = backward
     for event, nanoseconds in times.items():
         trace.event_cost[event] = nanoseconds
-    trace.dispatch_overhead_ns = dispatch_overhead_ns(devices[0] if devices else torch.device("cpu"))
+    device = devices[0] if devices else torch.device("cpu")
+    trace.dispatch_overhead_ns = dispatch_overhead_ns(device)
+    trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:
         _drop_repeated(trace, repeated)

@@ -1,0 +1,337 @@
+"""A zoo of diffusers architectures, each small enough for a CPU and built from a config.
+
+Every entry gives a model, one call of it (inputs seeded) and a training loss, so the zoo
+benchmark and the tests check every promise of the planner on the same models: plain U-Nets, an
+SDXL-style conditional U-Net, a ControlNet, a VAE, transformers with cross attention (DiT,
+PixArt, Sana), joint text-image attention (SD3, Flux) and a video transformer (CogVideoX).
+
+Widths and resolutions are scaled down; the structure (block types, skip connections, the
+joint-attention streams, the temporal axis) is the full models'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    family: str  # what the model stands for, for tables
+    build: Callable[[], nn.Module]
+    inputs: Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]  # (generator, batch) -> call
+
+    def case(self, batch: int = 2, seed: int = 0) -> ZooCase:
+        torch.manual_seed(seed)
+        model = self.build()
+        generator = torch.Generator().manual_seed(seed + 1)
+        args, kwargs = self.inputs(generator, batch)
+        with torch.no_grad():
+            out = _sample(model(*args, **kwargs))
+        target = torch.randn(out.shape, generator=generator)
+        return ZooCase(self, model, args, kwargs, target)
+
+
+@dataclass
+class ZooCase:
+    """One architecture with its inputs: ``step()`` is forward, MSE to a fixed target, backward."""
+
+    architecture: Architecture
+    model: nn.Module
+    args: tuple
+    kwargs: dict[str, Any]
+    target: torch.Tensor
+
+    def loss(self, forward: Callable[..., Any] | None = None) -> torch.Tensor:
+        out = _sample((forward or self.model)(*self.args, **self.kwargs))
+        return (out.float() - self.target).square().mean()
+
+    def step(self, forward: Callable[..., Any] | None = None) -> None:
+        self.loss(forward).backward()
+
+
+def _sample(out: Any) -> torch.Tensor:
+    if hasattr(out, "sample"):
+        return out.sample
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _randn(generator: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=generator)
+
+
+def _timesteps(generator: torch.Generator, batch: int) -> torch.Tensor:
+    return torch.randint(0, 1000, (batch,), generator=generator)
+
+
+def _unet2d() -> nn.Module:
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(
+        sample_size=32,
+        block_out_channels=(32, 64, 64),
+        layers_per_block=2,
+        norm_num_groups=8,
+        down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=8,
+    )
+
+
+def _sdxl_unet() -> nn.Module:
+    from diffusers import UNet2DConditionModel
+
+    return UNet2DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=2,
+        block_out_channels=(32, 64, 64),
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+        transformer_layers_per_block=(1, 2, 2),
+        cross_attention_dim=32,
+        norm_num_groups=8,
+        attention_head_dim=8,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=32 + 6 * 8,
+        use_linear_projection=True,
+    )
+
+
+def _sdxl_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 4, 16, 16), _timesteps(generator, batch)), {
+        "encoder_hidden_states": _randn(generator, batch, 7, 32),
+        "added_cond_kwargs": {"text_embeds": _randn(generator, batch, 32), "time_ids": _randn(generator, batch, 6)},
+    }
+
+
+def _controlnet() -> nn.Module:
+    from diffusers import ControlNetModel
+
+    return ControlNetModel(
+        in_channels=4,
+        conditioning_channels=3,
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        cross_attention_dim=32,
+        norm_num_groups=8,
+        attention_head_dim=8,
+        conditioning_embedding_out_channels=(16, 32),
+    )
+
+
+class _ControlNetOutputs(nn.Module):
+    """A ControlNet's residuals summed into one tensor, so the zoo's loss sees them all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.controlnet = _controlnet()
+
+    def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond):
+        out = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, return_dict=False)
+        down, mid = out
+        return mid.mean(dim=(2, 3)) + sum(d.mean(dim=(1, 2, 3))[:, None] for d in down)
+
+
+def _controlnet_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (
+        _randn(generator, batch, 4, 16, 16),
+        _timesteps(generator, batch),
+        _randn(generator, batch, 7, 32),
+        _randn(generator, batch, 3, 32, 32),
+    ), {}
+
+
+def _vae() -> nn.Module:
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D", "DownEncoderBlock2D"),
+        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D", "UpDecoderBlock2D"),
+        block_out_channels=(16, 32, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+    )
+
+
+def _dit() -> nn.Module:
+    from diffusers import DiTTransformer2DModel
+
+    return DiTTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        num_layers=4,
+        patch_size=2,
+        sample_size=16,
+        num_embeds_ada_norm=10,
+    )
+
+
+def _pixart() -> nn.Module:
+    from diffusers import PixArtTransformer2DModel
+
+    return PixArtTransformer2DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        num_layers=4,
+        cross_attention_dim=64,
+        sample_size=16,
+        patch_size=2,
+        caption_channels=32,
+    )
+
+
+def _sana() -> nn.Module:
+    from diffusers import SanaTransformer2DModel
+
+    return SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=16,
+        num_layers=4,
+        num_cross_attention_heads=4,
+        cross_attention_head_dim=16,
+        cross_attention_dim=64,
+        caption_channels=32,
+        sample_size=16,
+        patch_size=1,
+    )
+
+
+def _sd3() -> nn.Module:
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_layers=4,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=64,
+        pooled_projection_dim=32,
+        out_channels=4,
+        pos_embed_max_size=16,
+        qk_norm="rms_norm",
+    )
+
+
+def _sd3_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 4, 16, 16),), {
+        "encoder_hidden_states": _randn(generator, batch, 12, 32),
+        "pooled_projections": _randn(generator, batch, 32),
+        "timestep": _timesteps(generator, batch),
+    }
+
+
+def _flux() -> nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=16,
+        num_layers=2,
+        num_single_layers=4,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        pooled_projection_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _flux_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    height = width = 8  # a 16x16 latent packed 2x2
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = torch.arange(height)[:, None]
+    ids[..., 2] = torch.arange(width)[None, :]
+    return (_randn(generator, batch, height * width, 16),), {
+        "encoder_hidden_states": _randn(generator, batch, 12, 32),
+        "pooled_projections": _randn(generator, batch, 32),
+        "timestep": torch.rand(batch, generator=generator),
+        "img_ids": ids.reshape(-1, 3),
+        "txt_ids": torch.zeros(12, 3),
+    }
+
+
+def _cogvideox() -> nn.Module:
+    from diffusers import CogVideoXTransformer3DModel
+
+    return CogVideoXTransformer3DModel(
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=32,
+        num_layers=4,
+        sample_width=16,
+        sample_height=16,
+        sample_frames=9,
+        patch_size=2,
+        max_text_seq_length=12,
+        temporal_compression_ratio=4,
+    )
+
+
+def _cogvideox_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 3, 4, 16, 16), _randn(generator, batch, 12, 32), _timesteps(generator, batch)), {}
+
+
+def _image_inputs(channels: int, size: int) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
+    return lambda generator, batch: ((_randn(generator, batch, channels, size, size), _timesteps(generator, batch)), {})
+
+
+def _dit_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 4, 16, 16),), {
+        "timestep": _timesteps(generator, batch),
+        "class_labels": torch.randint(0, 10, (batch,), generator=generator),
+    }
+
+
+def _caption_inputs(pixart: bool) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
+    def inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+        kwargs = {"encoder_hidden_states": _randn(generator, batch, 12, 32), "timestep": _timesteps(generator, batch)}
+        if pixart:
+            kwargs["added_cond_kwargs"] = {"resolution": None, "aspect_ratio": None}
+        return (_randn(generator, batch, 4, 16, 16),), kwargs
+
+    return inputs
+
+
+def _vae_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 3, 64, 64),), {}
+
+
+ZOO = {
+    arch.name: arch
+    for arch in (
+        Architecture("unet2d", "DDPM UNet2DModel", _unet2d, _image_inputs(3, 32)),
+        Architecture("sdxl_unet", "UNet2DCondition, SDXL-style added conditioning", _sdxl_unet, _sdxl_inputs),
+        Architecture("controlnet", "ControlNet", _ControlNetOutputs, _controlnet_inputs),
+        Architecture("vae", "AutoencoderKL", _vae, _vae_inputs),
+        Architecture("dit", "DiT (class-conditional)", _dit, _dit_inputs),
+        Architecture("pixart", "PixArt-alpha", _pixart, _caption_inputs(pixart=True)),
+        Architecture("sana", "Sana (linear attention)", _sana, _caption_inputs(pixart=False)),
+        Architecture("sd3", "SD3 MMDiT (joint attention)", _sd3, _sd3_inputs),
+        Architecture("flux", "Flux (joint + single-stream)", _flux, _flux_inputs),
+        Architecture("cogvideox", "CogVideoX (video)", _cogvideox, _cogvideox_inputs),
+    )
+}

@@ -46,6 +46,8 @@ _CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
 #: Ops whose backward hands each input the output gradient itself (an alias, no new memory); a
 #: later contribution to such an input's gradient is summed into a new buffer.
 _ALIASING_BACKWARD = ("add.Tensor", "clone.", "alias.", "detach.")
+#: View ops that can pick a part of their input (their backward builds a whole-input gradient).
+_VIEW_PRODUCING = ("split", "chunk", "unbind", "slice.", "select.", "narrow", "as_strided")
 #: Ops whose backward passes the output gradient on without allocating a new tensor.
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
@@ -98,10 +100,24 @@ class Simulator:
         self.parent = [node.parent for node in trace.nodes]
         self.first = [node.first_event for node in trace.nodes]
         self.last = [node.last_event for node in trace.nodes]
+        # An op that reads a storage through a smaller view (a chunk, a slice) gets a gradient of
+        # the view's size, kept apart until the view op's backward merges the pieces into one
+        # gradient of the whole storage; the storage's gradient proper starts there.
+        self.is_view_op = [op.startswith(_VIEW_PRODUCING) for op in trace.event_op]
+        self.partial_grads: list[list[tuple[int, int]]] = [[] for _ in range(n_events)]
+        merged = set()
+        for event, partial in enumerate(trace.event_partial_inputs):
+            if self.is_view_op[event]:
+                continue
+            for sid, size in partial.items():
+                if trace.storage_needs_grad[sid]:
+                    self.partial_grads[event].append((sid, size))
+                    merged.add(sid)
         last_consumer = [-1] * n_storages
         for event, inputs in enumerate(trace.event_inputs):
             for sid in inputs:
-                last_consumer[sid] = event
+                if not (sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]):
+                    last_consumer[sid] = event
         # Python references end where profiling saw them end (-1: alive after the forward)
         self.dies_at: list[list[int]] = [[] for _ in range(n_events)]
         for sid, event in enumerate(trace.storage_death):
@@ -112,7 +128,8 @@ class Simulator:
         self.grads_freed: list[list[int]] = [[] for _ in range(n_events)]
         for event, inputs in enumerate(trace.event_inputs):
             for sid in inputs:
-                if trace.storage_needs_grad[sid] and last_consumer[sid] != event:
+                partial_use = sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]
+                if trace.storage_needs_grad[sid] and last_consumer[sid] != event and not partial_use:
                     self.grads_accumulated[event].append(sid)
         for sid in range(n_storages):
             if not trace.storage_needs_grad[sid]:
@@ -223,6 +240,7 @@ class _Replay:
         self.grads: set[int] = set()
         self.grad_view_of: dict[int, int] = {}  # grad of sid is a view into the grad buffer of value
         self.grad_slices: set[int] = set()  # of those, the non-contiguous ones (slices of a cat's)
+        self.pieces: dict[int, int] = {}  # storage -> bytes of view-sized gradients not merged yet
         self.grad_views: dict[int, int] = {}  # number of views into a grad buffer
         self.grad_orphans: set[int] = set()  # freed grads whose buffer views keep alive
         self.event_holds: dict[int, list[int]] = {}
@@ -439,6 +457,12 @@ class _Replay:
         rebuild_peak, rebuilt = self.rebuilds.pop(event, (0, 0))
         transient = self.trace.event_workspace[event] + rebuilt
         created = self.mem
+        for sid, size in sim.partial_grads[event]:  # a gradient the size of the view read
+            self.pieces[sid] = self.pieces.get(sid, 0) + size
+            self.mem += size
+        merged = 0
+        if sim.is_view_op[event]:  # the view op's backward merges the pieces into one gradient
+            merged = sum(self.pieces.pop(sid, 0) for sid in self.trace.event_inputs[event])
         for sid in sim.grads_created[event]:
             if sid in self.grads:
                 continue
@@ -467,6 +491,9 @@ class _Replay:
         self.tick()
         self.mem -= transient
         self.release(self.event_holds.pop(event, []))
+        self.mem -= merged  # the pieces die with the view op's backward
+        for sid in sim.grads_freed[event]:  # pieces never merged (no view op in between)
+            self.mem -= self.pieces.pop(sid, 0)
         for sid in sim.grads_freed[event]:
             if sid not in self.grads:
                 continue

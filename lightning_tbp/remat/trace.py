@@ -76,6 +76,8 @@ class Trace:
     storage_death: list[int] = field(default_factory=list)
     event_node: list[int] = field(default_factory=list)
     event_inputs: list[tuple[int, ...]] = field(default_factory=list)
+    # inputs an op reads through a view smaller than their storage (a chunk, a slice): bytes seen
+    event_partial_inputs: list[dict[int, int]] = field(default_factory=list)
     event_outputs: list[tuple[int, ...]] = field(default_factory=list)
     event_saves: list[list[int]] = field(default_factory=list)
     event_heavy: list[bool] = field(default_factory=list)
@@ -197,8 +199,13 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         trace = self.trace
         event = trace.num_events
-        inputs = tuple(dict.fromkeys(s for t in _tensors((args, kwargs)) if (s := self.sid_of(t)) is not None))
+        seen: dict[int, int] = {}
+        for tensor in _tensors((args, kwargs)):
+            if (sid := self.sid_of(tensor)) is not None:
+                seen[sid] = max(seen.get(sid, 0), tensor.numel() * tensor.element_size())
+        inputs = tuple(seen)
         input_set = set(inputs)
+        partial = {sid: size for sid, size in seen.items() if size < trace.storage_bytes[sid]}
         saves = self._settle_saves(input_set)  # before this op becomes the last event
         grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
         outputs: list[int] = []
@@ -222,6 +229,7 @@ class _Recorder(TorchDispatchMode):
         self.calibrator.note(event, func, args, kwargs, needs_grad, workspace=flops > 0 and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
+        trace.event_partial_inputs.append(partial)
         trace.event_outputs.append(tuple(outputs))
         trace.event_saves.append(saves)
         trace.event_heavy.append(flops > 0)

@@ -114,7 +114,7 @@ def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_une
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += ["--trainer.precision=32", "--model.init_args.sample_images=0"]
     args += ["--trainer.strategy=lightning_tbp.TinyBackpropStrategy", "--trainer.strategy.memory_budget=0.95"]
-    args += ["--trainer.strategy.dp=bookkeeping", "--trainer.strategy.noise_multiplier=1.0"]
+    args += ["--trainer.strategy.dp=ghost", "--trainer.strategy.noise_multiplier=1.0"]
     args += config_overrides(config, image_folder, pretrained_unet)
     cli = run_lightning_cli(args)
     privacy = cli.trainer.strategy.privacy

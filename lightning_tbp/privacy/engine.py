@@ -40,6 +40,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
+from lightning_tbp.remat.step import BackwardPass, StepModel, TapNote, note_tap, register_step_model
 
 log = logging.getLogger("lightning_tbp")
 
@@ -137,9 +138,11 @@ class DPEngine:
         self._pending: dict[int, Tensor] = {}
         self._book: list[tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]] = []
         self._violations: list[str] = []
+        self._held: dict[int, int] = {}  # storage -> references the engine holds (for ``buffers``)
         self._warned_masked = False
         self._slots = self._install()
         self._attached = True
+        register_step_model(list(module.modules()), self.step_model)
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -152,12 +155,26 @@ class DPEngine:
         return slots
 
     def _tapped_forward(self, slot: _Slot, x: Tensor) -> Tensor:
-        self._handler_reads += 1
+        self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
             output, saved = slot.handler.forward(slot.module, x)
+            tapped = _Tap.apply(slot, self.anchor, output, *saved)
+            norm_bytes, sum_bytes = slot.handler.workspace_bytes(slot.module, x, output, self.mode.startswith("flash"))
         finally:
             self._handler_reads -= 1
-        return _Tap.apply(slot, self.anchor, output, *saved)
+        parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
+        per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
+        note_tap(TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample))
+        return tapped
+
+    def step_model(self) -> StepModel:
+        """The backward passes of a step under this engine, for the rematerialization planner."""
+        probe = BackwardPass(retains_graph=True, parameter_gradients=False)
+        if STEP_PASSES[self.mode] == 2:
+            norms = BackwardPass(retains_graph=True, parameter_gradients=False, tap_transient="norm")
+            return StepModel((probe, norms, BackwardPass(tap_transient="sum")), name=f"dp:{self.mode}")
+        book = BackwardPass(parameter_gradients=False, books_taps=True, tap_transient="norm")
+        return StepModel((probe, book), name=f"dp:{self.mode}")
 
     def tracks(self, param: nn.Parameter) -> bool:
         """Whether reading ``param`` as a module attribute now yields a tracked tensor."""
@@ -175,6 +192,7 @@ class DPEngine:
                 owner._parameters = owner._parameters.plain()
         self._slots = []
         self._attached = False
+        register_step_model(list(self.module.modules()), None)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -222,7 +240,7 @@ class DPEngine:
         self._batch = loss.shape[0]
         self._materialise = {pid for pid, count in graph.contributions.items() if count > 1}
         two_pass = STEP_PASSES[self.mode] == 2
-        self.buffers = BufferStats()
+        self.buffers, self._held = BufferStats(), {}
         try:
             if graph.structure() not in self._probed and self._batch > 1:
                 self._probe(loss)
@@ -242,10 +260,14 @@ class DPEngine:
                 self._phase = "sum"
                 self._backpropagate((loss * coef.to(loss.dtype)).sum())
             else:
-                for entry, saved, grads in self._book:
+                self._book.reverse()
+                while self._book:  # each entry's operands die as soon as its sum is formed
+                    entry, saved, grads = self._book.pop()
                     self._clipped_sum(entry, saved, grads, coef)
+                    self._release(*saved, *grads)
+                    del saved, grads
         finally:
-            self._phase, self._book, self._pending, self._norm_sq = None, [], {}, None
+            self._phase, self._book, self._pending, self._norm_sq, self._held = None, [], {}, None, {}
             self.buffers.current_bytes = _bytes((self.per_sample_norms, self.clip_coefficients))
             self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
         if add_noise:
@@ -385,12 +407,14 @@ class DPEngine:
         for param, grad in grads.items():
             pending = self._pending.get(id(param))
             self._pending[id(param)] = grad.float() if pending is None else pending + grad.float()
-            if pending is None:
-                self._hold(self._pending[id(param)])
+            if pending is not None:
+                self._release(pending)
+            self._hold(self._pending[id(param)])
 
     def _finish_norms(self) -> None:
         for grad in self._pending.values():
             self._norm_sq += grad.flatten(1).square().sum(dim=1)
+            self._release(grad)
         self._pending = {}
         self.per_sample_norms = self._norm_sq.sqrt()
         self.clip_coefficients = (self.max_grad_norm / (self.per_sample_norms + _CLIP_EPSILON)).clamp(max=1.0)
@@ -413,9 +437,22 @@ class DPEngine:
         param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def _hold(self, *tensors: Tensor) -> None:
-        """Count bytes the engine keeps alive beyond plain autograd (for the memory report)."""
-        self.buffers.current_bytes += _bytes(tensors)
+        """Count bytes the engine keeps alive beyond plain autograd (for the memory report); a
+        storage held several times (one input booked for q, k and v) counts once."""
+        for tensor in tensors:
+            key = tensor.untyped_storage().data_ptr()
+            self._held[key] = self._held.get(key, 0) + 1
+            if self._held[key] == 1:
+                self.buffers.current_bytes += tensor.untyped_storage().nbytes()
         self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
+
+    def _release(self, *tensors: Tensor) -> None:
+        for tensor in tensors:
+            key = tensor.untyped_storage().data_ptr()
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
+                self.buffers.current_bytes -= tensor.untyped_storage().nbytes()
 
 
 def attach(

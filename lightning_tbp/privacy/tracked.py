@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from lightning_tbp.compat import make_leaf_subclass, tree_flatten, tree_map
 from lightning_tbp.privacy.errors import CoverageError
+from lightning_tbp.remat.step import TapNote, note_tap
 
 #: Ops whose output row i depends only on row i of each batched input (dim 0 kept): their
 #: per-sample VJPs are computed one row at a time (cost ~ one VJP of the op). Others are masked.
@@ -271,6 +272,12 @@ def _use(func: Any, args: tuple, kwargs: dict, tracked: list[TrackedTensor], own
         owner=owner,
     )
     tapped = _RawUse.apply(use, owner.anchor, len(positions), *(outputs[i] for i in positions), *saved)
+    first = tapped[0]
+    parameter_bytes = sum(p.numel() * 4 for p in use.params)
+    batch = first.shape[0] if first.dim() else 1
+    masked = 0 if use.rowwise else min(MASKED_CHUNK_BYTES, batch * first.numel() * 4)
+    per_sample = 2 * batch * parameter_bytes + masked
+    note_tap(TapNote(tuple(saved), first, per_sample, sum(t.numel() * 4 for t in tapped), parameter_bytes))
     if not use.tuple_output:
         return tapped[0]
     result = list(outputs)

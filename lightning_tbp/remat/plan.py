@@ -39,6 +39,7 @@ from lightning_tbp.remat.signature import (
 )
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.step import step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace
 
 log = logging.getLogger("lightning_tbp")
@@ -235,8 +236,9 @@ class Plan:
         finally:
             self._active.update(active)
             self._planning = False
-        simulator = Simulator(trace)
-        solver = Solver(simulator, selective=self.backward_passes == 1)
+        step = step_model_for(self.module)
+        simulator = Simulator(trace, step)
+        solver = Solver(simulator, selective=self.backward_passes == 1 and step.backward_passes == 1)
         naive = solver.naive()
         device = _device_of(self.module, args, kwargs)
         held = self.held() if self.held is not None else None

@@ -30,11 +30,13 @@ Memory is counted above the state before the forward (parameters and inputs are 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
+from lightning_tbp.remat.step import PLAIN_STEP, StepModel, TapNote
 from lightning_tbp.remat.trace import Trace
 
 #: Ops whose backward hands each input a slice *view* of the output gradient: an input's
@@ -91,10 +93,17 @@ class SimResult:
 
 
 class Simulator:
-    """Replays one trace under many plans; the per-trace preprocessing is done once."""
+    """Replays one trace under many plans; the per-trace preprocessing is done once.
 
-    def __init__(self, trace: Trace) -> None:
+    ``step``: the backward passes of the training step (a DP engine's, see ``step.py``); a plain
+    single backward by default."""
+
+    def __init__(self, trace: Trace, step: StepModel = PLAIN_STEP) -> None:
         self.trace = trace
+        self.step = step
+        self.taps = {tap.event: tap for tap in trace.taps}
+        calls = Counter(tap.layer for tap in trace.taps)
+        self.repeated_layers = {layer for layer, count in calls.items() if count > 1}
         n_storages = len(trace.storage_bytes)
         n_events = trace.num_events
         self.parent = [node.parent for node in trace.nodes]
@@ -257,15 +266,26 @@ class _Replay:
         self.recompute_flops = 0
         self.recompute_counts: dict[int, int] = {}
 
+        # the step's backward passes (see ``step.py``)
+        self.pass_ = sim.step.passes[0]
+        self.recomputed_holds: set[int] = set()  # events whose holds a recomputation made
+        self.recomputed_nodes: set[int] = set()  # checkpoints a recomputation entered
+        self.book: list[tuple[list[int], int, TapNote]] = []  # bookkeeping: (holds, output grad, tap)
+        self.pending: dict[int, int] = {}  # layers called more than once: bytes of per-sample gradients
+        self.booked_grads: set[int] = set()
+
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
         self.forward_end = self.mem
-        for sid in trace.module_outputs:
-            if trace.storage_needs_grad[sid] and sid not in self.grads:
-                self.grads.add(sid)
-                self.mem += sim.sizes[sid]
-        self.tick()
-        self.backward(0, 0, trace.num_events - 1)
+        for backward_pass in sim.step.passes:
+            self.pass_ = backward_pass
+            for sid in trace.module_outputs:
+                if trace.storage_needs_grad[sid] and sid not in self.grads:
+                    self.grads.add(sid)
+                    self.mem += sim.sizes[sid]
+            self.tick()
+            self.backward(0, 0, trace.num_events - 1)
+            self.end_pass()
 
     def result(self) -> SimResult:
         return SimResult(
@@ -350,6 +370,8 @@ class _Replay:
             ctx = sim.context(trace.event_node[event], region, options)
             if ctx >= 0 and event == sim.first[ctx]:
                 self.enter_checkpoint(ctx, mapped)
+                if recompute:
+                    self.recomputed_nodes.add(ctx)
             cached = selective_recompute and trace.event_heavy[event] and event <= cache_end
             for sid in trace.event_outputs[event]:
                 if cached or not sim.is_activation[sid]:
@@ -367,6 +389,8 @@ class _Replay:
             if ctx < 0:
                 if lazy < 0:
                     self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
+                    if recompute:
+                        self.recomputed_holds.add(event)
                 else:
                     self.event_holds[event] = self.hold_lazily(event, lazy)
             elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
@@ -413,8 +437,48 @@ class _Replay:
         ctx = sim.context(trace.event_node[stop], region, self.options)
         if ctx >= 0 and stop == sim.first[ctx]:
             self.enter_checkpoint(ctx, mapped)
+            self.recomputed_nodes.add(ctx)
         elif ctx < 0 and trace.event_saves[stop]:
             self.event_holds[stop] = self.hold([mapped(s) for s in trace.event_saves[stop]])
+            self.recomputed_holds.add(stop)
+
+    def end_pass(self) -> None:
+        """Bookkeeping's clipped sums (one booked layer at a time), then the pass's leftover
+        activation gradients go (a retained pass's saves stay for the next)."""
+        self.mem -= sum(self.pending.values())  # the norms are known: summed per-sample gradients go
+        self.pending = {}
+        for holds, grad, tap in self.book:
+            self.mem += tap.parameter_bytes + tap.sum_bytes
+            self.tick()
+            self.mem -= tap.sum_bytes
+            self.release(holds)
+            self.booked_grads.discard(grad)
+            self.free_grad(grad)
+        self.book = []
+        for sid in [s for s in self.grads if self.sim.is_activation[s]]:
+            self.free_grad(sid)
+        self.mem -= sum(self.pieces.values())
+        self.pieces = {}
+
+    def free_grad(self, sid: int) -> None:
+        """The gradient of ``sid`` is released (its buffer may live on in views of it)."""
+        if sid not in self.grads:
+            return
+        self.grads.discard(sid)
+        if sid in self.grad_view_of:
+            self.drop_grad_view(sid)
+        elif self.grad_views.get(sid):
+            self.grad_orphans.add(sid)  # its slices still point into the buffer
+        else:
+            self.mem -= self.sim.sizes[sid]
+
+    def release_or_retain(self, holds: list[int], recomputed: bool) -> list[int]:
+        """Release ``holds`` after their backward, unless a retained pass keeps them (what the
+        forward saved; recomputed tensors are dropped after use even then). Returns what stays."""
+        if self.pass_.retains_graph and not recomputed:
+            return holds
+        self.release(holds)
+        return []
 
     def backward(self, region: int, lo: int, hi: int) -> None:
         sim, trace, options = self.sim, self.trace, self.options
@@ -430,7 +494,11 @@ class _Replay:
             self.forward(ctx, sim.first[ctx], self.early_stop_end(ctx), recompute=True)
             self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
             self.backward(ctx, sim.first[ctx], sim.last[ctx])
-            self.release(self.node_inputs.pop(ctx, []))
+            recomputed = ctx in self.recomputed_nodes
+            self.recomputed_nodes.discard(ctx)
+            kept = self.release_or_retain(self.node_inputs.pop(ctx, []), recomputed)
+            if kept:
+                self.node_inputs[ctx] = kept
             self.region = outer_region
             event = sim.first[ctx] - 1
 
@@ -454,7 +522,7 @@ class _Replay:
         sim, sizes = self.sim, self.sim.sizes
         outputs = self.trace.event_outputs[event]
         viewing = (sim.slices_grad[event] or sim.aliases_grad[event]) and len(outputs) == 1 and outputs[0] in self.grads
-        rebuild_peak, rebuilt = self.rebuilds.pop(event, (0, 0))
+        rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0))  # every pass unpacks (rebuilds) again
         transient = self.trace.event_workspace[event] + rebuilt
         created = self.mem
         for sid, size in sim.partial_grads[event]:  # a gradient the size of the view read
@@ -463,8 +531,17 @@ class _Replay:
         merged = 0
         if sim.is_view_op[event]:  # the view op's backward merges the pieces into one gradient
             merged = sum(self.pieces.pop(sid, 0) for sid in self.trace.event_inputs[event])
+        tap = sim.taps.get(event)
+        if tap is not None:  # what the DP engine computes at this layer in this pass
+            transient += tap.norm_bytes * ("norm" in self.pass_.tap_transient)
+            transient += tap.sum_bytes * ("sum" in self.pass_.tap_transient)
+            repeated = tap.layer in sim.repeated_layers and tap.layer not in self.pending
+            if "norm" in self.pass_.tap_transient and repeated:
+                # a layer called more than once sums its per-sample gradients until the norms are known
+                self.pending[tap.layer] = tap.per_sample_bytes
+                self.mem += tap.per_sample_bytes
         for sid in sim.grads_created[event]:
-            if sid in self.grads:
+            if sid in self.grads or not (self.pass_.parameter_gradients or sim.is_activation[sid]):
                 continue
             self.grads.add(sid)
             # an alias only where autograd hands the gradient on as it is: same size (no broadcast
@@ -490,20 +567,27 @@ class _Replay:
         self.mem += transient
         self.tick()
         self.mem -= transient
-        self.release(self.event_holds.pop(event, []))
+        holds = self.event_holds.pop(event, [])
+        recomputed = event in self.recomputed_holds
+        self.recomputed_holds.discard(event)
+        if tap is not None and self.pass_.books_taps and tap.output_sid in self.grads:
+            if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book
+                kept = self.next_sid
+                self.next_sid += 1
+                self.extra_sizes[kept] = rebuilt
+                self.alive.add(kept)
+                self.mem += rebuilt
+                holds = [*holds, *self.hold([kept])]
+            self.book.append((holds, tap.output_sid, tap))  # kept, with the output gradient, to the end
+            self.booked_grads.add(tap.output_sid)
+        elif kept := self.release_or_retain(holds, recomputed):
+            self.event_holds[event] = kept
         self.mem -= merged  # the pieces die with the view op's backward
         for sid in sim.grads_freed[event]:  # pieces never merged (no view op in between)
             self.mem -= self.pieces.pop(sid, 0)
         for sid in sim.grads_freed[event]:
-            if sid not in self.grads:
-                continue
-            self.grads.discard(sid)
-            if sid in self.grad_view_of:
-                self.drop_grad_view(sid)
-            elif self.grad_views.get(sid):
-                self.grad_orphans.add(sid)  # its slices still point into the buffer
-            else:
-                self.mem -= sizes[sid]
+            if sid not in self.booked_grads:
+                self.free_grad(sid)
 
     def drop_grad_view(self, sid: int) -> None:
         self.grad_slices.discard(sid)

@@ -31,6 +31,7 @@ from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
+from lightning_tbp.remat.step import TapNote, listening_for_taps, stop_listening
 
 #: Ops whose backward needs their own main result, saved right after they run (from torch's
 #: derivative formulas): where the next op also takes that result as input, the save is theirs.
@@ -91,6 +92,7 @@ class Trace:
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
     dispatch_overhead_ns: float = 0.0  # added to every op run under a Python dispatch mode
+    taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU)
     checkpoint_state_bytes: int = 0
@@ -354,11 +356,23 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
         recorder.record_save(tensor)
         return None
 
+    def tap(note: TapNote) -> None:
+        note.event = trace.num_events - 1  # the tap's own (view) op, whose node holds its saves
+        note.saved_sids = tuple(s for t in note.saved if (s := recorder.sid_of(t)) is not None)
+        for sid in note.saved_sids:  # a Function packs what it saved as its forward returns: file it now
+            if sid in recorder.pending_saves:
+                recorder.pending_saves.remove(sid)
+                trace.event_saves[note.event].append(sid)
+        note.output_sid = recorder.sid_of(note.output) if recorder.sid_of(note.output) is not None else -1
+        note.saved, note.output = (), None  # the trace keeps ids, not tensors
+        trace.taps.append(note)
+
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
 
     devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    listening = listening_for_taps(tap)
     try:
         with (
             _frozen_buffers(module),
@@ -375,6 +389,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
             workspaces = recorder.calibrator.measure_workspaces()
             times = recorder.calibrator.measure_times()
     finally:
+        stop_listening(listening)
         for handle in handles:
             handle.remove()
 

@@ -6,7 +6,7 @@ python multi_device.py SCENARIO OUT_DIR
 Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless said):
   ddp, fsdp2   4 SGD steps with the plan on a deterministic regression; final parameters
                (params.pt), the plan each rank ran (plan_rank{r}.json), memory JSON per rank (ddp)
-  dp_ddp       one DP step (bookkeeping, noise 0): initial weights, each rank's sample indices,
+  dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
                the gradient the optimizer saw (dp.pt, indices_rank{r}.pt)
   dp_noise     one DP step with noise 1 and a loss whose gradient is 0: the gradient is the noise
   raise        rank 1 raises at its second step
@@ -89,9 +89,7 @@ if __name__ == "__main__":
         from lightning_tbp import TinyBackpropDDPStrategy
 
         noise = 1.0 if scenario == "dp_noise" else 0.0
-        strategy = TinyBackpropDDPStrategy(
-            memory_budget=0.6, dp="bookkeeping", max_grad_norm=1e-3, noise_multiplier=noise
-        )
+        strategy = TinyBackpropDDPStrategy(memory_budget=0.6, dp="ghost", max_grad_norm=1e-3, noise_multiplier=noise)
     model = Regressor(scenario, out)
     callbacks = (
         [MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=out / "memory")]

@@ -47,6 +47,11 @@ class EmbeddingHandler(LayerHandler):
         grads = g.new_zeros(g.shape[0], module.num_embeddings, g.shape[2])
         return {"weight": grads.scatter_add_(1, indices.unsqueeze(-1).expand_as(g), g)}
 
+    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
+        batch = x.shape[0]
+        positions = x.numel() // max(batch, 1)
+        return 2 * 4 * batch * positions * positions, 4 * output.numel()  # ghost Gram and index mask
+
     def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
         indices, g = self._operands(module, saved, grad_output)
         weighted = (g * coef.view(-1, 1, 1)).reshape(-1, g.shape[2])

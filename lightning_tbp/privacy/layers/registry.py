@@ -55,6 +55,13 @@ class LayerHandler(ABC):
     def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
         """``Σ_i coef_i ∇_i`` per trainable parameter, in the parameter's shape."""
 
+    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
+        """Transient bytes of (the per-sample norms, the clipped sum) for a call on ``x``, for the
+        planner's model of a DP step. Default: per-sample gradients materialised, twice (the
+        gradients and their squares), and the output gradient weighted by the coefficients."""
+        per_sample = x.shape[0] * sum(p.numel() * 4 for p in trainable(module).values())
+        return 2 * per_sample, output.numel() * 4
+
 
 _HANDLERS: dict[type[nn.Module], LayerHandler] = {}
 

@@ -1,0 +1,111 @@
+"""What a training step does besides the module's own forward and backward: the step model.
+
+A plain step backpropagates once and frees each saved tensor as its op's backward runs. A DP
+engine attached to the module changes that (``lightning_tbp.privacy``): ghost and flash clipping
+backpropagate the graph twice, the first pass retaining everything it saved and writing no
+parameter gradients; bookkeeping keeps each clipped layer's saved input and output gradient
+until the backward ends, then forms the parameter gradients one layer at a time; every mode
+probes per-sample independence with one extra retained pass on a new graph structure.
+
+The planner must simulate *that* step, or a plan made with an engine attached overshoots its
+budget. So whoever changes the step registers a :class:`StepModel` for the module
+(:func:`register_step_model`), and during the planner's profiling forward reports each layer it
+taps (:func:`note_tap`): the event, the tensors the tap saves, its output, and the transient
+bytes of its per-sample norms and of its clipped sum. The remat package knows nothing of DP.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BackwardPass:
+    """One backpropagation of the step's graph."""
+
+    retains_graph: bool = False
+    """Saved tensors stay (``retain_graph=True``); recomputed ones are still dropped after use."""
+    parameter_gradients: bool = True
+    """The pass writes parameter gradients (as the backward reaches each layer)."""
+    books_taps: bool = False
+    """Tapped layers keep their saved tensors and output gradient until the pass ends; their
+    parameter gradients are then formed one layer at a time (bookkeeping)."""
+    tap_transient: str = ""
+    """Which transient of the taps the pass pays at each tap's backward: "norm", "sum" or both
+    ("norm+sum"); empty for none."""
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The backward passes of one training step, in order."""
+
+    passes: tuple[BackwardPass, ...] = (BackwardPass(),)
+    name: str = "plain"
+
+    @property
+    def backward_passes(self) -> int:
+        """Passes over one forward's graph: more than one rules out selective checkpoints."""
+        return len(self.passes)
+
+
+PLAIN_STEP = StepModel()
+
+
+@dataclass
+class TapNote:
+    """A tapped layer as the profiling forward saw it (storage ids are filled in by the trace)."""
+
+    saved: tuple[torch.Tensor, ...]
+    output: torch.Tensor | None
+    norm_bytes: int  # transient of its per-sample norms
+    sum_bytes: int  # transient of its clipped sum (the parameter gradients are counted apart)
+    parameter_bytes: int  # the gradients its clipped sum writes
+    layer: int = 0  # which layer: a layer tapped twice keeps per-sample gradients through the norms pass
+    per_sample_bytes: int = 0  # those per-sample gradients (batch x its parameters)
+    event: int = -1
+    saved_sids: tuple[int, ...] = ()
+    output_sid: int = -1
+
+
+_StepModelSource = Callable[[], StepModel]
+_REGISTRY: weakref.WeakKeyDictionary[nn.Module, _StepModelSource] = weakref.WeakKeyDictionary()
+_TAP_LISTENER: contextvars.ContextVar[Callable[[TapNote], None] | None] = contextvars.ContextVar(
+    "lightning_tbp_tap_listener", default=None
+)
+
+
+def register_step_model(modules: list[nn.Module], source: _StepModelSource | None) -> None:
+    """Declare (or with ``None`` withdraw) the step model of every module in ``modules``."""
+    for module in modules:
+        if source is None:
+            _REGISTRY.pop(module, None)
+        else:
+            _REGISTRY[module] = source
+
+
+def step_model_for(module: nn.Module) -> StepModel:
+    """The step model registered for ``module``, else a plain step."""
+    source = _REGISTRY.get(module)
+    return PLAIN_STEP if source is None else source()
+
+
+def note_tap(note: TapNote) -> None:
+    """Report a tapped layer to a running profile (a no-op outside one)."""
+    listener = _TAP_LISTENER.get()
+    if listener is not None:
+        listener(note)
+
+
+def listening_for_taps(listener: Callable[[TapNote], None]) -> contextvars.Token:
+    """Route :func:`note_tap` reports to ``listener`` until ``_TAP_LISTENER.reset(token)``."""
+    return _TAP_LISTENER.set(listener)
+
+
+def stop_listening(token: contextvars.Token) -> None:
+    _TAP_LISTENER.reset(token)

@@ -92,3 +92,73 @@ def test_plans_made_with_an_engine_attached_simulate_the_dp_step(name: str, mode
         if plan is not None:
             plan.remove()
         engine.detach()
+
+
+@pytest.fixture
+def predictions_skewed_low(monkeypatch: pytest.MonkeyPatch) -> float:
+    """A test seam: every simulated peak reads 80% of the truth, so plans overshoot their budget."""
+    from lightning_tbp.remat import simulate
+
+    skew = 0.8
+    original = simulate.Simulator.run
+
+    def run(self, options, capture_step=-1):
+        result = original(self, options, capture_step)
+        result.peak_bytes = int(result.peak_bytes * skew)
+        return result
+
+    monkeypatch.setattr(simulate.Simulator, "run", run)
+    return skew
+
+
+def test_verify_replans_a_plan_whose_measured_peak_passes_its_budget(predictions_skewed_low) -> None:
+    case = ZOO["unet2d"].case(batch=2)
+    model = case.model
+    naive = _measured(model, case.step)
+    budget = int(0.7 * naive)
+    plan = rematerialize(model, *case.args, memory_budget=budget, **case.kwargs)
+    try:
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        first = plan.verify(case.step)
+        assert not first.within_budget and first.replanned and first.ratio > 1.1
+        assert plan.current is None or plan.current.correction > 1  # the corrected plan waits for the next call
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        second = plan.verify(case.step)
+        assert second.within_budget and not second.replanned, second.describe()
+        assert plan.current.correction == pytest.approx(first.ratio)
+        assert "re-planned" in plan.report()
+    finally:
+        plan.remove()
+
+
+def test_the_strategy_replans_when_a_measured_step_passes_the_budget(predictions_skewed_low, tmp_path, caplog) -> None:
+    """Never silently over budget: the first step of a plan is metered, found over its budget,
+    and the next step runs a plan solved with the measured error folded in (and says so)."""
+    import lightning as L
+    from models import Denoiser, tiny_unet
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_tbp import TinyBackpropStrategy
+
+    data = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+    def fit(strategy, steps):
+        torch.manual_seed(0)
+        trainer = L.Trainer(
+            strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(Denoiser(tiny_unet()), DataLoader(TensorDataset(data), batch_size=2))
+        return trainer
+
+    first = next(iter(fit(TinyBackpropStrategy(memory_budget=0.6), 1).strategy.plan.shape_plans.values()))
+    budget = first.held.total + int(0.75 * first.naive.peak_bytes / 0.8)  # a device total in true bytes
+    with caplog.at_level("WARNING", logger="lightning_tbp"):
+        trainer = fit(TinyBackpropStrategy(memory_budget=budget), 3)
+    plan = trainer.strategy.plan
+    assert plan.current.correction > 1, "the overshooting plan was corrected"
+    assert plan.current.measured_peak_bytes <= plan.current.budget_bytes
+    assert any("re-planned" in record.getMessage() for record in caplog.records)

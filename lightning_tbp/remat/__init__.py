@@ -5,6 +5,7 @@ from lightning_tbp.remat.plan import NothingToPlanWarning, Plan, ShapePlan, rema
 from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
 from lightning_tbp.remat.trace import record_trace
+from lightning_tbp.remat.verify import Verification
 
 __all__ = [
     "InfeasibleBudgetError",
@@ -15,6 +16,7 @@ __all__ = [
     "ShapePlan",
     "Simulator",
     "Solver",
+    "Verification",
     "format_bytes",
     "parse_budget",
     "record_trace",

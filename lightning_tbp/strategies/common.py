@@ -197,6 +197,12 @@ class TinyBackpropMixin:
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.privacy is not None and self.privacy.is_empty(args[0] if args else None):
             return None  # a Poisson micro-batch can be empty: no forward; noise still comes at the step
+        module = self.lightning_module
+        one_window = module.automatic_optimization and module.trainer.accumulate_grad_batches == 1
+        if self.plan is not None and self.plan.awaits_measurement and one_window:
+            # the step of a corrected plan is metered, which needs it to start without gradients:
+            # free them now rather than between forward and backward, as Lightning would anyway
+            module.zero_grad(set_to_none=True)
         return super().training_step(*args, **kwargs)
 
     def backward(
@@ -232,13 +238,31 @@ class TinyBackpropMixin:
         if current is not None and id(current) not in self._reported:
             self._reported.add(id(current))
             rank_zero_info(f"tiny_backprop plan:\n{self.plan.report(current)}")
-        measured = self.plan.finish_measurement()
-        if measured is not None and measured.measured_peak_bytes is not None:
-            rank_zero_info(
-                f"tiny_backprop: measured peak {format_bytes(measured.measured_peak_bytes)} vs predicted "
-                f"{format_bytes(measured.predicted_peak_bytes)} "
-                f"({measured.measured_peak_bytes / measured.predicted_peak_bytes:.3f}x) on rank 0"
+        checked = self.plan.finish_measurement()
+        if checked is not None:
+            self._check_plan(checked)
+
+    def _check_plan(self, checked: ShapePlan) -> None:
+        """The measured peak against the prediction and the budget: logged, and over the budget
+        (on any process) re-planned with the measured error folded in, on every process alike."""
+        measured = checked.measured_peak_bytes
+        ratio = (
+            0.0 if measured is None else max(measured / checked.predicted_peak_bytes, measured / checked.budget_bytes)
+        )
+        over = float(measured is not None and measured > checked.budget_bytes)
+        if self.world_size > 1:  # one decision for all processes: the worst of them
+            ratio, over = (
+                float(self.reduce(torch.tensor(v, device=self.root_device), reduce_op="max")) for v in (ratio, over)
             )
+        if measured is not None:
+            rank_zero_info(
+                f"tiny_backprop: measured peak {format_bytes(measured)} vs predicted "
+                f"{format_bytes(checked.predicted_peak_bytes)} ({measured / checked.predicted_peak_bytes:.3f}x), "
+                f"{'within' if measured <= checked.budget_bytes else 'OVER'} the budget "
+                f"{format_bytes(checked.budget_bytes)} on rank 0"
+            )
+        if over:
+            self.plan.correct(checked, ratio)
 
     def makes_plan(self) -> bool:
         """Whether the first training batch makes (and meters) a rematerialization plan."""

@@ -1,0 +1,88 @@
+"""A plan as people read it (a table) and as programs do (a JSON-able dict)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.shape_plan import ShapePlan, describe_held
+
+
+def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
+    """Per block the decision, nesting level, bytes and cost; then the budget, prediction and measurement."""
+    header = f"{'block':<44} {'decision':<10} {'level':>5} {'kept':>11} {'naive kept':>11} {'GFLOP':>8} {'recomp':>6}"
+    lines = [header, "-" * len(header)]
+    for b in sp.blocks:
+        lines.append(
+            f"{b.path:<44} {b.option.name.lower():<10} {b.level:>5} {format_bytes(b.kept_bytes):>11} "
+            f"{format_bytes(b.naive_kept_bytes):>11} {b.forward_flops / 1e9:>8.3f} {b.recomputations:>6}"
+        )
+    budget_line = (
+        f"device budget {budget.describe()} less {describe_held(sp.held)} held outside the step leaves "
+        f"{format_bytes(sp.budget_bytes)} for the step; "
+        if sp.held is not None and budget.kind == "bytes"
+        else f"budget {format_bytes(sp.budget_bytes)} ({budget.describe()}); "
+    )
+    step = "" if sp.step == "plain" else f" (the step simulated: {sp.step})"
+    lines += [
+        "-" * len(header),
+        budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
+        f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
+        f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}",
+    ]
+    if sp.correction > 1:
+        lines.append(
+            f"re-planned: an earlier plan for this shape measured {sp.correction:.3f}x its prediction, so this one "
+            "was solved for the budget divided by that"
+        )
+    if sp.measured_peak_bytes is not None:
+        within = "within" if sp.measured_peak_bytes <= sp.budget_bytes else "OVER"
+        lines.append(
+            f"measured peak {format_bytes(sp.measured_peak_bytes)} = "
+            f"{sp.measured_peak_bytes / sp.predicted_peak_bytes:.3f} of predicted, {within} the budget"
+        )
+    lines.append(
+        f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a training "
+        f"step's FLOPs, about {sp.recompute_time_ratio:.3f} of its time (est.); profiled in "
+        f"{sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s"
+    )
+    return "\n".join(lines)
+
+
+def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> dict[str, Any]:
+    """JSON-able summary of one signature's plan."""
+    return {
+        "module": module_name,
+        "signature": [[*t[0], str(t[1]), t[2]] for t in sp.signature[1]],
+        "budget": {"spec": budget.describe(), "bytes": sp.budget_bytes},
+        "held_bytes": None if sp.held is None else dataclasses.asdict(sp.held),
+        "step": sp.step,
+        "naive_peak_bytes": sp.naive.peak_bytes,
+        "predicted_peak_bytes": sp.predicted_peak_bytes,
+        "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
+        "predicted_peak_at": sp.peak_block,
+        "measured_peak_bytes": sp.measured_peak_bytes,
+        "correction": sp.correction,
+        "parameter_grad_bytes": sp.parameter_grad_bytes,
+        "forward_flops": sp.forward_flops,
+        "predicted_recompute_flops": sp.planned.recompute_flops,
+        "predicted_recompute_ns": sp.planned.recompute_cost,
+        "recompute_time_ratio_of_step": sp.recompute_time_ratio,
+        "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
+        "profile_seconds": sp.profile_seconds,
+        "solve_seconds": sp.solve_seconds,
+        "blocks": [
+            {
+                "path": b.path,
+                "decision": b.option.name.lower(),
+                "level": b.level,
+                "kept_bytes": b.kept_bytes,
+                "naive_kept_bytes": b.naive_kept_bytes,
+                "forward_flops": b.forward_flops,
+                "recomputations": b.recomputations,
+            }
+            for b in sp.blocks
+        ],
+        "edges": [{"from": a, "to": b, "bytes": size} for a, b, size in sp.edges],
+    }

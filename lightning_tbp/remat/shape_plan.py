@@ -1,0 +1,236 @@
+"""One input signature's plan, solved from its trace: a pure function of the trace and the budget.
+
+``solve_shape`` runs the solver on a simulator of the trace and packs the answer with what the
+reports need (per-block decisions, the predicted peak and where it falls). It touches no module:
+installing the plan is :class:`~lightning_tbp.remat.plan.Plan`'s job, reporting it
+``report.py``'s, metering it ``verify.py``'s.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_tbp.memory.held import HeldMemory
+from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.signature import Signature
+from lightning_tbp.remat.simulate import Option, SimResult, Simulator
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.trace import Trace
+
+
+class NothingToPlanWarning(UserWarning):
+    """The module has no block that a checkpoint could wrap; it runs unchanged."""
+
+
+@dataclass
+class BlockDecision:
+    path: str
+    option: Option
+    level: int  # number of checkpoints enclosing this block, itself included
+    kept_bytes: int  # held after the forward under the plan
+    naive_kept_bytes: int  # held after the forward without any checkpoint
+    forward_flops: int
+    recomputations: int
+
+
+@dataclass
+class ShapePlan:
+    """The plan for one input signature."""
+
+    signature: Signature
+    batch_size: int | None  # leading size of the inputs it was profiled with
+    options: dict[str, Option]
+    cache_limits: dict[str, int]  # per selective block: heavy-op outputs its checkpoint caches
+    budget_bytes: int  # for the step, after what training holds outside it
+    held: HeldMemory | None
+    naive: SimResult
+    planned: SimResult
+    forward_flops: int
+    forward_ns: float  # sum of the calibrated op times of one forward
+    parameter_grad_bytes: int
+    step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
+    blocks: list[BlockDecision] = field(default_factory=list)
+    edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
+    peak_block: str = ""  # the block whose forward, recompute or backward the predicted peak falls in
+    profile_seconds: float = 0.0
+    solve_seconds: float = 0.0
+    correction: float = 1.0  # measured over predicted peak folded into a re-plan (1: none)
+    measured_peak_bytes: int | None = None  # filled when the plan's step is metered
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        return self.planned.peak_bytes
+
+    @property
+    def recompute_time_ratio(self) -> float:
+        """Predicted extra time over an estimated training step (forward + 2x forward backward)."""
+        return self.planned.recompute_cost / max(3 * self.forward_ns, 1.0)
+
+    @property
+    def recompute_flop_ratio(self) -> float:
+        """Recomputed FLOPs over an estimated training step (forward + 2x forward backward)."""
+        return self.planned.recompute_flops / max(3 * self.forward_flops, 1)
+
+
+def solve_shape(
+    trace: Trace,
+    solver: Solver,
+    signature: Signature,
+    batch_size: int | None,
+    budget: MemoryBudget,
+    device: torch.device,
+    held: HeldMemory | None,
+    *,
+    correction: float = 1.0,
+    batch_ceiling: int | None = None,
+    module_name: str = "module",
+) -> ShapePlan:
+    """The cheapest plan for ``trace`` under ``budget`` (see :class:`Solver`).
+
+    ``correction`` (>= 1): a measured step peaked this much above its prediction; the plan is
+    solved for the budget divided by it, so the measured peak lands under the budget.
+    Raises :class:`InfeasibleBudgetError` with notes on what took the memory; "auto" on a device
+    without a memory limit falls back to the minimum feasible budget with a warning.
+    """
+    simulator = solver.sim
+    naive = solver.naive()
+    budget_bytes = budget.resolve(naive.peak_bytes, device, held)
+    plannable = [n for n in trace.nodes[1:] if n.has_events]
+    if not plannable:
+        warnings.warn(
+            f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own that "
+            "runs once per forward (leaf layers such as a single Linear are not checkpointed, since that saves "
+            "nothing); training runs unchanged",
+            NothingToPlanWarning,
+            stacklevel=5,
+        )
+        options, planned, solve_seconds = [Option.KEEP] * len(trace.nodes), naive, 0.0
+    else:
+        try:
+            solution = solver.solve(int(budget_bytes / correction))
+        except InfeasibleBudgetError as error:
+            if not budget.is_fraction_default(device):
+                _explain(error, budget, budget_bytes, held, batch_ceiling, correction)
+                raise
+            warnings.warn(
+                f"lightning_tbp: memory_budget='auto' means {budget.describe_resolved(device)} here, below what "
+                f"{module_name} can reach; planning at its minimum feasible budget "
+                f"{format_bytes(error.minimum_budget_bytes)} "
+                f"({error.minimum_budget_bytes / naive.peak_bytes:.3f} of naive) instead",
+                stacklevel=5,
+            )
+            budget_bytes = error.minimum_budget_bytes
+            solution = solver.solve(budget_bytes)
+        options, planned, solve_seconds = solution.options, solution.result, solution.solve_seconds
+    return ShapePlan(
+        signature=signature,
+        batch_size=batch_size,
+        options={trace.nodes[i].path: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
+        cache_limits={
+            trace.nodes[i].path: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
+        },
+        budget_bytes=budget_bytes,
+        held=held,
+        naive=naive,
+        planned=planned,
+        forward_flops=sum(trace.event_flops),
+        forward_ns=sum(trace.event_cost),
+        parameter_grad_bytes=trace.parameter_grad_bytes,
+        step=simulator.step.name,
+        blocks=_block_table(trace, simulator, options, planned),
+        edges=trace.block_edges(),
+        peak_block=_peak_block(trace, simulator, options, planned),
+        solve_seconds=solve_seconds,
+        correction=correction,
+    )
+
+
+def _explain(
+    error: InfeasibleBudgetError,
+    budget: MemoryBudget,
+    budget_bytes: int,
+    held: HeldMemory | None,
+    batch_ceiling: int | None,
+    correction: float,
+) -> None:
+    if held is not None and budget.kind == "bytes":
+        error.add_note(
+            f"the budget {budget.describe()} is the device's total, and training holds {describe_held(held)} "
+            f"outside the step, which leaves {format_bytes(budget_bytes)}; a device budget of "
+            f"{format_bytes(error.minimum_budget_bytes + held.total)} "
+            f"({error.minimum_budget_bytes + held.total} bytes) or more fits"
+        )
+    if batch_ceiling is not None:
+        error.add_note(
+            f"the plan is made for the batch ceiling, {batch_ceiling} samples per call (Poisson batches vary in "
+            "size), so the budget must hold a batch that large"
+        )
+    if correction > 1:
+        error.add_note(
+            f"a measured step peaked {correction:.3f}x above its prediction, so plans are solved for the budget "
+            "divided by that; the minimum named above is before that correction"
+        )
+
+
+def describe_held(held: HeldMemory) -> str:
+    pending = f", {format_bytes(held.optimizer_state_pending)} of it made at the first step"
+    return (
+        f"{format_bytes(held.total)} (parameters {format_bytes(held.parameters)}, optimizer state "
+        f"{format_bytes(held.optimizer_state)}{pending if held.optimizer_state_pending else ''})"
+    )
+
+
+def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int]:
+    """Bytes held at the end of the forward, each storage charged to its first holder's block."""
+    trace = simulator.trace
+    snapshot = simulator.run(options, capture_step=trace.num_events - 1).snapshot
+    assert snapshot is not None
+    kept: dict[int, int] = {}
+    charged: set[int] = set()
+    holds = [(trace.event_node[e], sids) for e, sids in snapshot.event_holds.items()]
+    holds += list(snapshot.node_holds.items())
+    for node, sids in holds:
+        for sid in sids:
+            if sid not in charged:
+                charged.add(sid)
+                kept[node] = kept.get(node, 0) + snapshot.sizes.get(sid, 0)
+    return kept
+
+
+def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> str:
+    snapshot = simulator.run(options, capture_step=planned.peak_step).snapshot
+    assert snapshot is not None
+    if snapshot.region:
+        return f"recompute/backward of {trace.nodes[snapshot.region].path}"
+    where = "forward" if planned.peak_step < trace.num_events else "backward"
+    return f"{where} (outside checkpointed blocks)"
+
+
+def _block_table(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> list[BlockDecision]:
+    kept = _kept_by_block(simulator, options)
+    naive_kept = _kept_by_block(simulator, [Option.KEEP] * len(options))
+    blocks = []
+    for node in trace.nodes[1:]:
+        if not node.has_events:
+            continue
+        level, walk = 0, node.index
+        while walk > 0:
+            level += options[walk] != Option.KEEP
+            walk = trace.nodes[walk].parent
+        lo, hi = node.first_event, node.last_event
+        subtree = [n.index for n in trace.nodes if lo <= n.first_event and n.last_event <= hi]
+        blocks.append(
+            BlockDecision(
+                path=node.path,
+                option=options[node.index],
+                level=level,
+                kept_bytes=sum(kept.get(i, 0) for i in subtree),
+                naive_kept_bytes=sum(naive_kept.get(i, 0) for i in subtree),
+                forward_flops=sum(trace.event_flops[node.first_event : node.last_event + 1]),
+                recomputations=planned.recompute_counts.get(node.index, 0),
+            )
+        )
+    return blocks

@@ -4,6 +4,7 @@ from pathlib import Path
 import pytest
 
 from lightning_tbp.remat import plan as plan_module
+from lightning_tbp.remat.overheads import StepOverheads
 from lightning_tbp.remat.trace import Trace
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared helpers (models.py, dp_reference.py)
@@ -11,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared helpers (mod
 
 @pytest.fixture
 def flop_priced_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Plans priced by FLOPs (plus one per op) with no dispatch overhead, instead of measured times.
+    """Plans priced by FLOPs (plus one per op) with no option overheads, instead of measured times.
 
     On the tiny test models a noisy machine can time a block's convolutions below the overhead
     that selective and lazy blocks pay, so which option wins would ride on timing noise. Tests
@@ -22,7 +23,7 @@ def flop_priced_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     def flop_priced_trace(*args: object, **kwargs: object) -> Trace:
         trace = original(*args, **kwargs)
         trace.event_cost = [float(flops) + 1.0 for flops in trace.event_flops]
-        trace.dispatch_overhead_ns = 0.0
+        trace.overheads, trace.framework_factor = StepOverheads(), 1.0
         return trace
 
     monkeypatch.setattr(plan_module, "record_trace", flop_priced_trace)

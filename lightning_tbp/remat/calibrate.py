@@ -4,8 +4,8 @@
 a 64x64 map can cost as much as the small convolution next to it. Each distinct (op, shapes,
 dtypes, arguments) of the trace is run on its own, without gradients, and timed (best of two
 runs after a warm-up; CUDA synchronised); pure views cost nothing and are not run.
-``dispatch_overhead_ns`` measures once per device what a Python dispatch mode adds to every op,
-which selective and lazy blocks pay.
+Each op's backward is timed the same way (random output gradients), so the naive step's time
+is predicted from its parts too; what the plan options add beyond their ops is ``overheads.py``'s.
 
 **Workspace.** Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
 layout reorders on CPU, cuDNN/cuBLAS workspaces on CUDA), in the forward (and so in every
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_tbp.compat import TorchDispatchMode, op_schema, tree_flatten, tree_map
+from lightning_tbp.compat import op_schema, tree_flatten, tree_map
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, measure_peak, profiler_active
 
 
@@ -80,10 +80,10 @@ class OpCalibrator:
         if not _is_view(func) and not _is_communication(func):
             self._timed_keys.add(key)
 
-    def measure_times(self) -> dict[int, float]:
-        """Forward nanoseconds per noted event (0 for views)."""
-        per_key = {key: _time_op(*self._specs[key]) for key in self._timed_keys}
-        return {event: per_key.get(key, 0.0) for event, key in self.event_keys.items()}
+    def measure_times(self) -> dict[int, tuple[float, float]]:
+        """(forward, backward) nanoseconds per noted event (0 for views)."""
+        per_key = {key: (_time_op(*self._specs[key]), _time_op_backward(*self._specs[key])) for key in self._timed_keys}
+        return {event: per_key.get(key, (0.0, 0.0)) for event, key in self.event_keys.items()}
 
     def measure_workspaces(self) -> dict[int, tuple[int, int]]:
         """(forward, backward) workspace bytes per heavy event (none under a running profiler)."""
@@ -146,34 +146,36 @@ def _time_op(func: Any, spec_args: tuple, spec_kwargs: dict) -> float:
     return float(best)
 
 
-class _NoOpMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        return func(*args, **(kwargs or {}))
-
-
-_DISPATCH_OVERHEAD: dict[str, float] = {}
-
-
-def dispatch_overhead_ns(device: torch.device) -> float:
-    """What routing one op through a Python dispatch mode adds, in ns (measured once per device type)."""
-    if device.type not in _DISPATCH_OVERHEAD:
-        x = torch.ones(16, device=device)
-        runs = 2000
-
-        def loop() -> int:
+def _time_op_backward(func: Any, spec_args: tuple, spec_kwargs: dict) -> float:
+    """Best-of-``_TIMING_RUNS`` time of one op's backward for random output gradients (0 if none)."""
+    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
+    if not any(x.needs_grad for x in specs):
+        return 0.0
+    device = specs[0].device
+    args, kwargs = tree_map(
+        lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
+        (spec_args, spec_kwargs),
+        is_leaf=lambda x: isinstance(x, _TensorSpec),
+    )
+    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
+    best = float("inf")
+    try:
+        with torch.enable_grad():
+            results = tree_flatten([func(*args, **kwargs)])[0]
+        outs = [o for o in results if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return 0.0
+        grads = [torch.randn_like(o) for o in outs]
+        torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)  # warm-up
+        for _ in range(_TIMING_RUNS):
             _synchronise(device)
             start = time.perf_counter_ns()
-            for _ in range(runs):
-                torch.add(x, x)
+            torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
             _synchronise(device)
-            return time.perf_counter_ns() - start
-
-        loop()
-        plain = min(loop() for _ in range(3))
-        with _NoOpMode():
-            moded = min(loop() for _ in range(3))
-        _DISPATCH_OVERHEAD[device.type] = max(0.0, (moded - plain) / runs)
-    return _DISPATCH_OVERHEAD[device.type]
+            best = min(best, time.perf_counter_ns() - start)
+    except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data
+        return 0.0
+    return float(best)
 
 
 def _device_of(spec: tuple) -> torch.device:

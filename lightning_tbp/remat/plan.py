@@ -33,6 +33,7 @@ from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.meters import measure_peak
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, parse_budget
+from lightning_tbp.remat.calibrate_blocks import Calibration, calibrate
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
 from lightning_tbp.remat.signature import (
@@ -114,6 +115,7 @@ class Plan:
         self.shape_plans: dict[Signature, ShapePlan] = {}
         self.current: ShapePlan | None = None
         self._profiles: dict[Signature, _Profile] = {}
+        self._calibration: Calibration | None = None
         self._meter = StepMeter()
         self._metered: ShapePlan | None = None  # the plan whose step the meter is on
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
@@ -204,7 +206,17 @@ class Plan:
             self._active.update(active)
             self._planning = False
         step = step_model_for(self.module)
-        solver = Solver(Simulator(trace, step), selective=self.backward_passes == 1 and step.backward_passes == 1)
+        selective = self.backward_passes == 1 and step.backward_passes == 1
+        if self._calibration is None:  # once per plan: option costs timed on the model's own blocks
+            options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
+            self._planning = True
+            try:
+                self._calibration = calibrate(self.module, trace, args, kwargs, options, inside_call=self._inside_call)
+            finally:
+                self._planning = False
+            profile_seconds = time.perf_counter() - start
+        trace.option_scale, trace.step_factor = self._calibration.option_scale, self._calibration.step_factor
+        solver = Solver(Simulator(trace, step), selective=selective)
         profile = _Profile(
             trace,
             solver,

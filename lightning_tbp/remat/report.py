@@ -44,7 +44,7 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         )
     lines.append(
         f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a training "
-        f"step's FLOPs, about {sp.recompute_time_ratio:.3f} of its time (est.); profiled in "
+        f"step's FLOPs; the plan adds about {sp.recompute_time_ratio:.3f} of the step's time (est.); profiled in "
         f"{sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s"
     )
     return "\n".join(lines)
@@ -68,6 +68,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "forward_flops": sp.forward_flops,
         "predicted_recompute_flops": sp.planned.recompute_flops,
         "predicted_recompute_ns": sp.planned.recompute_cost,
+        "predicted_step_ns": sp.step_ns,
         "recompute_time_ratio_of_step": sp.recompute_time_ratio,
         "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
         "profile_seconds": sp.profile_seconds,

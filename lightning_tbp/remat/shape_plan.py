@@ -50,6 +50,7 @@ class ShapePlan:
     planned: SimResult
     forward_flops: int
     forward_ns: float  # sum of the calibrated op times of one forward
+    step_ns: float  # predicted time of the unplanned step: its ops' forward and backward times, in the framework
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
     blocks: list[BlockDecision] = field(default_factory=list)
@@ -66,8 +67,9 @@ class ShapePlan:
 
     @property
     def recompute_time_ratio(self) -> float:
-        """Predicted extra time over an estimated training step (forward + 2x forward backward)."""
-        return self.planned.recompute_cost / max(3 * self.forward_ns, 1.0)
+        """Predicted extra time of the plan (recomputation and what its options add) over the
+        predicted time of the unplanned step."""
+        return self.planned.recompute_cost / max(self.step_ns, 1.0)
 
     @property
     def recompute_flop_ratio(self) -> float:
@@ -138,6 +140,8 @@ def solve_shape(
         planned=planned,
         forward_flops=sum(trace.event_flops),
         forward_ns=sum(trace.event_cost),
+        step_ns=trace.step_factor
+        * (sum(trace.event_cost) + simulator.backward_passes * sum(trace.event_backward_cost)),
         parameter_grad_bytes=trace.parameter_grad_bytes,
         step=simulator.step.name,
         blocks=_block_table(trace, simulator, options, planned),

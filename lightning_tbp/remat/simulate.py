@@ -102,6 +102,8 @@ class Simulator:
         self.trace = trace
         self.step = step
         self.taps = {tap.event: tap for tap in trace.taps}
+        # passes that compute gradients (the probe does not): each unpacks, so rebuilds, again
+        self.backward_passes = sum(p.parameter_gradients or bool(p.tap_transient) for p in step.passes)
         calls = Counter(tap.layer for tap in trace.taps)
         self.repeated_layers = {layer for layer, count in calls.items() if count > 1}
         n_storages = len(trace.storage_bytes)
@@ -337,7 +339,7 @@ class _Replay:
             if rebuild:  # unpacked one after another: earlier ones stay rebuilt while later ones are
                 peak, rebuilt = self.rebuilds.get(event, (0, 0))
                 self.rebuilds[event] = (max(peak, rebuilt + rebuild), rebuilt + self.sim.sizes[sid])
-                self.recompute_cost += cost
+                self.charge(Option.LAZY, cost * self.trace.framework_factor * self.sim.backward_passes)
         return held
 
     def release(self, sids: list[int]) -> None:
@@ -384,8 +386,13 @@ class _Replay:
                     sid = new
                 self.allocate(sid)
             lazy = sim.lazy_block(trace.event_node[event], options) if ctx < 0 and not recompute else -1
-            if selective_recompute or lazy >= 0 or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
-                self.recompute_cost += trace.dispatch_overhead_ns  # the op passes a Python dispatch mode
+            overheads = trace.overheads
+            if selective_recompute or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
+                self.charge(Option.SELECTIVE, overheads.selective_op_ns)  # through torch's caching dispatch mode
+            if lazy >= 0:
+                self.charge(Option.LAZY, overheads.lazy_op_ns)  # its recipe is recorded (and rebuilt) in Python
+            if ctx >= 0 and not recompute:  # each save is packed, then unpacked from a recomputation
+                self.charge(options[ctx], overheads.checkpoint_save_ns * len(trace.event_saves[event]))
             if ctx < 0:
                 if lazy < 0:
                     self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
@@ -396,7 +403,7 @@ class _Replay:
             elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in trace.event_outputs[event]]))
             if recompute and not cached:
-                self.recompute_cost += trace.event_cost[event]
+                self.charge(options[region], trace.event_cost[event] * trace.framework_factor)
                 self.recompute_flops += trace.event_flops[event]
             workspace = 0 if cached else trace.event_forward_workspace[event]
             self.mem += workspace
@@ -413,8 +420,13 @@ class _Replay:
                 self.python_refs.discard(sid)
                 self.maybe_free(sid)
 
+    def charge(self, option: Option, nanoseconds: float) -> None:
+        """Add a cost of ``option``, scaled by what calibration measured against the model's estimate."""
+        self.recompute_cost += nanoseconds * self.trace.option_scale.get(option, 1.0)
+
     def enter_checkpoint(self, ctx: int, mapped: Callable[[int], int]) -> None:
         """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward."""
+        self.charge(self.options[ctx], self.trace.overheads.checkpoint_call_ns)
         held = self.hold([mapped(s) for s in self.trace.nodes[ctx].inputs])
         if self.trace.checkpoint_state_bytes:
             state = self.next_sid

@@ -93,6 +93,7 @@ class Solver:
         self.cheap_cost = [0.0] * n
         self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
         self.event_count = [0] * n
+        self.save_count = [0] * n
         for node in self.nodes:
             if not node.has_events:
                 continue
@@ -100,6 +101,7 @@ class Solver:
             self.subtree_cost[node.index] = sum(trace.event_cost[e] for e in events)
             self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_heavy[e])
             self.event_count[node.index] = len(events)
+            self.save_count[node.index] = sum(len(trace.event_saves[e]) for e in events)
             self.heavy_outputs[node.index] = [s for e in events if trace.event_heavy[e] for s in trace.event_outputs[e]]
         self.ancestors: list[list[int]] = []
         for node in self.nodes:
@@ -330,13 +332,21 @@ class Solver:
         return None if best is None else (best[1], best[2])
 
     def _cost_of(self, index: int, option: Option) -> float:
-        """Estimated extra time of ``option`` on block ``index`` (selective: dispatch in forward and recompute)."""
+        """Estimated extra time of ``option`` on block ``index``: its recomputed ops in the real
+        framework, and what the option itself adds (``overheads.py``)."""
+        trace = self.sim.trace
+        factor, overheads = trace.framework_factor, trace.overheads
+        checkpoint = overheads.checkpoint_call_ns + self.save_count[index] * overheads.checkpoint_save_ns
         if option == Option.FULL:
-            return self.subtree_cost[index]
-        dispatched = self.event_count[index] * self.sim.trace.dispatch_overhead_ns
-        if option == Option.SELECTIVE:
-            return self.cheap_cost[index] + 2 * dispatched
-        return self.cheap_cost[index] + dispatched if option == Option.LAZY else 0.0
+            cost = factor * self.subtree_cost[index] + checkpoint
+        elif option == Option.SELECTIVE:
+            dispatched = 2 * self.event_count[index] * overheads.selective_op_ns  # in the forward and the recompute
+            cost = factor * self.cheap_cost[index] + checkpoint + dispatched
+        elif option == Option.LAZY:
+            cost = factor * self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
+        else:
+            return 0.0
+        return cost * trace.option_scale.get(option, 1.0)
 
     def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
         """On large models, apply the best-ranked moves on disjoint subtrees together.

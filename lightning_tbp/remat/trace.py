@@ -18,6 +18,7 @@ The simulator replays this trace under any plan, so the trace is all the planner
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections import Counter
 from collections.abc import Iterator
@@ -28,9 +29,10 @@ from torch import nn
 
 from lightning_tbp.compat import TorchDispatchMode, tree_flatten
 from lightning_tbp.memory.held import local_bytes
-from lightning_tbp.remat.calibrate import OpCalibrator, dispatch_overhead_ns
+from lightning_tbp.remat.calibrate import OpCalibrator
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
+from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.step import TapNote, listening_for_taps, stop_listening
 
 #: Ops whose backward needs their own main result, saved right after they run (from torch's
@@ -84,14 +86,22 @@ class Trace:
     event_heavy: list[bool] = field(default_factory=list)
     event_recomputable: list[bool] = field(default_factory=list)  # a lazy block may rebuild its outputs
     event_flops: list[int] = field(default_factory=list)
-    event_cost: list[float] = field(default_factory=list)  # measured forward time, ns
+    event_cost: list[float] = field(default_factory=list)  # measured forward time, ns (the op alone)
+    event_backward_cost: list[float] = field(default_factory=list)  # measured backward time, ns (alone)
     event_op: list[str] = field(default_factory=list)
     event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
     event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
     nodes: list[Node] = field(default_factory=list)
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
-    dispatch_overhead_ns: float = 0.0  # added to every op run under a Python dispatch mode
+    overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)
+    # The module's real forward (autograd, Python, module calls) over the sum of its ops alone:
+    # recomputation runs in the real framework, so its op times are scaled by this
+    framework_factor: float = 1.0
+    # Measured over modelled extra time of each plan option, from real block steps
+    # (``calibrate_blocks.py``); the model's estimate stands where none was measured
+    option_scale: dict = field(default_factory=dict)
+    step_factor: float = 1.0  # real block steps over their ops' forward and backward times alone
     taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU)
@@ -295,7 +305,7 @@ def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
 
 
 @contextlib.contextmanager
-def _frozen_buffers(module: nn.Module) -> Iterator[None]:
+def frozen_buffers(module: nn.Module) -> Iterator[None]:
     """Restore buffers (e.g. running statistics) that the profiling forward may update."""
     saved = {name: buf.detach().clone() for name, buf in module.named_buffers()}
     try:
@@ -375,7 +385,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
     listening = listening_for_taps(tap)
     try:
         with (
-            _frozen_buffers(module),
+            frozen_buffers(module),
             torch.random.fork_rng(devices=cuda_devices),
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
             recorder,
@@ -392,16 +402,20 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
         stop_listening(listening)
         for handle in handles:
             handle.remove()
+    forward_wall_ns = _time_forward(module, args, kwargs, inside_call, cuda_devices)
 
+    trace.framework_factor = max(1.0, forward_wall_ns / max(sum(c for c, _ in times.values()), 1.0))
     trace.event_forward_workspace = [0] * trace.num_events
     trace.event_workspace = [0] * trace.num_events
     for event, (forward, backward) in workspaces.items():
         trace.event_forward_workspace[event] = forward
         trace.event_workspace[event] = backward
-    for event, nanoseconds in times.items():
-        trace.event_cost[event] = nanoseconds
+    trace.event_backward_cost = [0.0] * trace.num_events
+    for event, (forward_ns, backward_ns) in times.items():
+        trace.event_cost[event] = forward_ns
+        trace.event_backward_cost[event] = backward_ns
     device = devices[0] if devices else torch.device("cpu")
-    trace.dispatch_overhead_ns = dispatch_overhead_ns(device)
+    trace.overheads = step_overheads(device)
     trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:
@@ -409,6 +423,31 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
     root.first_event, root.last_event = 0, trace.num_events - 1
     trace.parameter_grad_bytes = sum(local_bytes(p) for p in module.parameters() if p.requires_grad)
     return trace
+
+
+def _time_forward(module: nn.Module, args: tuple, kwargs: dict, inside_call: bool, cuda_devices: list[int]) -> float:
+    """Best of two real forwards with gradients (autograd and module overhead included), its
+    saved tensors dropped as in the profile so it stays memory-safe; nanoseconds."""
+
+    def refuse(_: None) -> torch.Tensor:
+        raise RuntimeError("lightning_tbp timing graph cannot be backpropagated")
+
+    best = float("inf")
+    with (
+        frozen_buffers(module),
+        torch.random.fork_rng(devices=cuda_devices),
+        torch.autograd.graph.saved_tensors_hooks(lambda _: None, refuse),
+    ):
+        for _ in range(2):
+            for device in cuda_devices:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter_ns()
+            output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
+            for device in cuda_devices:
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter_ns() - start)
+            del output
+    return float(best)
 
 
 def _drop_repeated(trace: Trace, repeated: set[str]) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.remat.flops import FLOP_FORMULAS
+from lightning_tbp.remat.overheads import timed_ns
 
 
 @dataclass
@@ -73,13 +73,7 @@ def measure_step(
 def timed_step(model: nn.Module, step: Callable[[], None], device: torch.device) -> float:
     """Seconds of one step that starts without gradients."""
     model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return timed_ns(step, device) / 1e9
 
 
 def median_times_in_turns(

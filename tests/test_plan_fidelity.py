@@ -9,6 +9,7 @@ the step (two passes, a book of operands, a probe) and the plan must simulate th
 from __future__ import annotations
 
 import gc
+import math
 import sys
 from pathlib import Path
 
@@ -162,3 +163,23 @@ def test_the_strategy_replans_when_a_measured_step_passes_the_budget(predictions
     assert plan.current.correction > 1, "the overshooting plan was corrected"
     assert plan.current.measured_peak_bytes <= plan.current.budget_bytes
     assert any("re-planned" in record.getMessage() for record in caplog.records)
+
+
+@pytest.mark.parametrize("name", ["flux", "unet2d"])  # flux: the greedy searches alone have missed it
+def test_no_plan_costs_more_than_uniform_checkpointing_that_fits_the_same_budget(name: str) -> None:
+    """What diffusers' ``enable_gradient_checkpointing()`` does (every block of a kind in full) is
+    a candidate: at a budget it fits (its peak plus the planning margin), the solver's plan
+    predicts no more recomputation than it."""
+    from lightning_tbp.remat.simulate import Simulator
+    from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
+    from lightning_tbp.remat.trace import record_trace
+
+    case = ZOO[name].case(batch=2)
+    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
+    uniform = [(o, r) for o, r in solver.uniform_plans() if r.peak_bytes < solver.naive().peak_bytes]
+    assert uniform, "checkpointing a repeated block kind lowers the peak"
+    for options, result in uniform:
+        budget = math.ceil(result.peak_bytes / (1 - PLANNING_MARGIN)) + 1
+        solution = solver.solve(budget)
+        assert solution.result.peak_bytes <= budget
+        assert solution.result.recompute_cost <= result.recompute_cost * (1 + 1e-9), options

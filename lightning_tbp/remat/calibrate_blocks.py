@@ -13,7 +13,6 @@ memory-safe as the profile; parameter gradients go through ``autograd.grad``, ne
 from __future__ import annotations
 
 import statistics
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten, tree_map
 from lightning_tbp.remat.apply import InstalledWrappers
+from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.trace import Trace, frozen_buffers
 
@@ -164,13 +164,7 @@ def _time_block(
             for _ in range(ROUNDS):
                 for option, spent in samples.items():
                     table[path] = option
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    start = time.perf_counter_ns()
-                    step()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    spent.append(time.perf_counter_ns() - start)
+                    spent.append(timed_ns(step, device))
     finally:
         wrappers.remove()
     plain = statistics.median(samples.pop(Option.KEEP))

@@ -110,11 +110,16 @@ def _interleaved(runs: dict[str, Callable[[], None]], device: torch.device, roun
     samples: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            start = time.perf_counter_ns()
-            run()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            samples[name].append(time.perf_counter_ns() - start)
+            samples[name].append(timed_ns(run, device))
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def timed_ns(run: Callable[[], object], device: torch.device) -> int:
+    """Wall nanoseconds of ``run()``, the device synchronised before and after."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter_ns()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter_ns() - start

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
@@ -144,6 +145,7 @@ class Solver:
             options, result = self.greedy(*self.lagrangian_start(naive, target), target)
             if result.peak_bytes <= target:
                 candidates.append((options, result))
+        candidates += [(o, r) for o, r in self.uniform_plans() if r.peak_bytes <= target_bytes]
         if not candidates:
             # Measured op times vary from run to run and steer the searches above. The descent that
             # ranks moves by bytes alone depends only on the (deterministic) memory model, so the
@@ -158,6 +160,26 @@ class Solver:
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = min(pruned, key=lambda c: c[1].recompute_cost)
         return Solution(options, result, naive, time.perf_counter() - start, self.replays)
+
+    def uniform_plans(self) -> list[tuple[list[Option], SimResult]]:
+        """Every block of a kind checkpointed in full, for each kind that repeats, and for the two
+        commonest kinds together: what diffusers' ``enable_gradient_checkpointing()`` does, so a
+        plan is never chosen that costs more than uniform checkpointing fitting the same budget."""
+        kinds = Counter(node.kind for node in self.nodes[1:] if node.has_events)
+        repeated = [kind for kind, count in kinds.most_common() if count > 1]
+        groups = [[kind] for kind in repeated] + ([repeated[:2]] if len(repeated) > 1 else [])
+        plans = []
+        for group in groups:
+            options = [Option.KEEP] * len(self.nodes)
+            for node in self.nodes[1:]:
+                if (
+                    node.has_events
+                    and node.kind in group
+                    and all(options[a] == Option.KEEP for a in self.ancestors[node.index])
+                ):
+                    options[node.index] = Option.FULL
+            plans.append((options, self.replay(options)))
+        return plans
 
     def greedy_path(
         self, options: list[Option], result: SimResult, targets: list[int]

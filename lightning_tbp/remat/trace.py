@@ -54,6 +54,7 @@ class Node:
     index: int
     path: str
     parent: int  # index of the enclosing candidate node, -1 for the root
+    kind: str = ""  # the module's class name (plans that checkpoint every block of a kind)
     first_event: int = -1
     last_event: int = -1
     inputs: tuple[int, ...] = ()  # storage ids of the tensors passed in (args and kwargs)
@@ -339,7 +340,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
     def enter(sub: nn.Module, sub_args: tuple, sub_kwargs: dict) -> None:
         calls[id(sub)] = calls.get(id(sub), 0) + 1
         parent = trace.nodes[node_stack[-1]]
-        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index)
+        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index, kind=type(sub).__name__)
         node.first_event = trace.num_events
         node.inputs = tuple(s for t in _tensors((sub_args, sub_kwargs)) if (s := recorder.sid_of(t)) is not None)
         trace.nodes.append(node)

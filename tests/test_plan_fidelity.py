@@ -183,3 +183,23 @@ def test_no_plan_costs_more_than_uniform_checkpointing_that_fits_the_same_budget
         solution = solver.solve(budget)
         assert solution.result.peak_bytes <= budget
         assert solution.result.recompute_cost <= result.recompute_cost * (1 + 1e-9), options
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(name: str) -> None:
+    """The lowest budget an InfeasibleBudgetError names is a promise too: retried, it plans; and
+    no plan the user could make by checkpointing every block of a kind peaks below it."""
+    from lightning_tbp.remat.simulate import Simulator
+    from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
+    from lightning_tbp.remat.trace import record_trace
+
+    case = ZOO[name].case(batch=2)
+    minimum = _lowest_budget(case.model, case.args, case.kwargs)
+    plan = rematerialize(case.model, *case.args, memory_budget=minimum, **case.kwargs)
+    try:
+        assert plan.current.predicted_peak_bytes <= minimum
+    finally:
+        plan.remove()
+    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
+    for _, result in solver.uniform_plans():
+        assert minimum <= math.ceil(result.peak_bytes / (1 - PLANNING_MARGIN))

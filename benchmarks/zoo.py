@@ -15,6 +15,7 @@ over the plain step, and the largest relative gradient difference from plain aut
 
     python benchmarks/zoo.py --all --out docs/benchmarks/zoo          # every architecture, CPU
     python benchmarks/zoo.py --arch sd3 --out /tmp/zoo                 # one
+    python benchmarks/zoo.py --summarize --out docs/benchmarks/zoo     # summary and plot of the files there
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", choices=sorted(ZOO), help="one architecture, in this process")
     parser.add_argument("--all", action="store_true", help="every architecture, each in its own process")
+    parser.add_argument("--summarize", action="store_true", help="summary and plot from the JSON files in --out")
     parser.add_argument("--trials", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -211,14 +213,18 @@ def main() -> None:
         (args.out / f"{args.arch}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps({m: {k: v for k, v in r.items() if k != "decisions"} for m, r in result["rows"].items()}))
         return
-    if not args.all:
-        parser.error("give --arch NAME or --all")
+    if not (args.all or args.summarize):
+        parser.error("give --arch NAME, --all or --summarize")
     results, failed = [], {}
     for name in ZOO:
-        command = [sys.executable, __file__, "--arch", name, "--trials", str(args.trials), "--out", str(args.out)]
-        completed = subprocess.run(command, capture_output=True, text=True)
-        if completed.returncode != 0:
-            failed[name] = completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else "failed"
+        if args.all:
+            command = [sys.executable, __file__, "--arch", name, "--trials", str(args.trials), "--out", str(args.out)]
+            completed = subprocess.run(command, capture_output=True, text=True)
+            if completed.returncode != 0:
+                failed[name] = completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else "failed"
+                continue
+        elif not (args.out / f"{name}.json").is_file():
+            failed[name] = "no result file"
             continue
         results.append(json.loads((args.out / f"{name}.json").read_text()))
     (args.out / "summary.json").write_text(json.dumps({"results": results, "failed": failed}, indent=2))

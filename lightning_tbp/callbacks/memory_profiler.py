@@ -21,6 +21,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from lightning_tbp.callbacks.strategy_info import MemoryReportingStrategy
 from lightning_tbp.memory.breakdown import Breakdown, split_untracked, tensor_bytes
@@ -98,6 +99,7 @@ class MemoryProfilerCallback(Callback):
 
     # -- set-up: every option is checked before the first batch -----------------------------
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
@@ -141,6 +143,7 @@ class MemoryProfilerCallback(Callback):
             ) from error
         return directory
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = time.perf_counter()
         if self.record_history and self._device.type == "cuda":
@@ -149,6 +152,7 @@ class MemoryProfilerCallback(Callback):
 
     # -- the four stages of a batch -----------------------------------------------------------
 
+    @override
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -193,16 +197,19 @@ class MemoryProfilerCallback(Callback):
             self._late_preroll = False
         self._meter.begin()
 
+    @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._sampling:
             self._mark(trainer, pl_module, "after_forward")
         else:
             self._preroll(at_batch_end=False)
 
+    @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._sampling:
             self._mark(trainer, pl_module, "after_backward")
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -286,6 +293,7 @@ class MemoryProfilerCallback(Callback):
 
     # -- results ---------------------------------------------------------------------------
 
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._meter is not None and self._meter.active:
             self._meter.abort()  # training ended during a pre-roll batch
@@ -295,6 +303,7 @@ class MemoryProfilerCallback(Callback):
             assert self.record is not None
             rank_zero_info(f"{format_stage_table(self.record)}\n  written to {path}")
 
+    @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if self._meter is not None:
             self._meter.abort()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset, random_split
+from typing_extensions import override
 
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
 
@@ -55,6 +56,7 @@ class _SplitDataModule(L.LightningDataModule):
     def _dataset(self) -> Dataset:
         raise NotImplementedError
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
             return
@@ -78,9 +80,11 @@ class _SplitDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    @override
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True)
 
+    @override
     def val_dataloader(self) -> DataLoader | list:
         if not self.val_set or len(self.val_set) == 0:
             return []

@@ -80,7 +80,7 @@ def model_directory(path: str | os.PathLike[str], fam: Family) -> Path:
 
 
 def build_model(family_name: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> nn.Module:
-    """A fresh model from ``config``, or the weights in the local directory ``pretrained``."""
+    """A fresh model from ``config``, or the weights in the local directory ``pretrained``; in train mode."""
     fam = family(family_name)
     if pretrained is None:
         return fam.model_class(**(config or {}))
@@ -93,9 +93,12 @@ def build_model(family_name: str, config: dict[str, Any] | None = None, pretrain
             f"{directory} holds a {declared}, but model family {fam.name!r} trains {fam.model_class.__name__}"
         )
     try:
-        return fam.model_class.from_pretrained(directory, local_files_only=True)
+        model = fam.model_class.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot load {fam.model_class.__name__} from {directory}: {error}") from error
+    # from_pretrained returns eval mode and Lightning keeps submodule modes: fine-tuning would
+    # otherwise run without dropout, the only sign a generic "modules in eval mode" warning
+    return model.train()
 
 
 def sample_input_channels(model: nn.Module) -> int:

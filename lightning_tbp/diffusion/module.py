@@ -20,6 +20,7 @@ from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from typing_extensions import override
 
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
@@ -106,16 +107,19 @@ class DiffusionModule(L.LightningModule):
         squared_error = F.mse_loss(prediction, target.float(), reduction="none")
         return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
 
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         per_sample = self.diffusion_loss(batch)
         self.log("train/loss", per_sample.mean(), prog_bar=True)
         # DP strategies clip each sample's gradient, so they take the loss per sample.
         return per_sample if wants_per_sample_loss(self._trainer) else per_sample.mean()
 
+    @override
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
         if self.hparams.compute_flops and self.flops_per_batch is None:
             self.flops_per_batch = self._measure_flops(batch)
 
+    @override
     def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
         super().optimizer_step(*args, **kwargs)
         # Here, not at batch end: callbacks (ModelCheckpoint) see the batch end first, and a
@@ -135,6 +139,7 @@ class DiffusionModule(L.LightningModule):
             lambda out: out.sum(),
         )
 
+    @override
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
@@ -147,6 +152,7 @@ class DiffusionModule(L.LightningModule):
 
     # -- validation: loss, then a grid of samples -----------------------------------------------
 
+    @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
         if self._sample_conditioning is None:
             self._sample_conditioning = {k: v for k, v in batch.items() if k != "images" and torch.is_tensor(v)}
@@ -191,6 +197,7 @@ class DiffusionModule(L.LightningModule):
             return {"encoder_hidden_states": states}, {"encoder_hidden_states": torch.zeros_like(states)}
         return {}, None
 
+    @override
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking or self.hparams.sample_images <= 0 or not self.trainer.is_global_zero:
             return
@@ -204,6 +211,7 @@ class DiffusionModule(L.LightningModule):
 
     # -- export -----------------------------------------------------------------------------------
 
+    @override
     def on_fit_end(self) -> None:
         if self.hparams.export and self.trainer.is_global_zero:
             self.exported_to = self.export(self.hparams.export_dir or Path(self._output_root()) / "pretrained")

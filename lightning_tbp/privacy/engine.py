@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
@@ -79,6 +80,7 @@ class _Tap(torch.autograd.Function):
     """Identity on a layer's output; its backward hands (saved tensors, output gradient) to the engine."""
 
     @staticmethod
+    @override
     def forward(ctx: Any, slot: _Slot, anchor: Tensor, output: Tensor, *saved: Tensor) -> Tensor:
         # ``anchor`` (a leaf of the engine's own) makes the output require grad even when nothing
         # upstream does: the parameters themselves enter the op detached.
@@ -87,6 +89,7 @@ class _Tap(torch.autograd.Function):
         return output.view_as(output)
 
     @staticmethod
+    @override
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
         ctx.slot.engine._receive(ctx.slot, saved, grad_output)

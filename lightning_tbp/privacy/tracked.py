@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import override
 
 from lightning_tbp.compat import make_leaf_subclass, tree_flatten, tree_map
 from lightning_tbp.privacy.errors import CoverageError
@@ -376,6 +377,7 @@ class _RawUse(torch.autograd.Function):
     """Identity on a use's outputs; its backward hands their gradients to the engine."""
 
     @staticmethod
+    @override
     def forward(ctx: Any, use: RawUse, anchor: Tensor, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.use = use
         ctx.count = count
@@ -383,6 +385,7 @@ class _RawUse(torch.autograd.Function):
         return tuple(t.view_as(t) for t in tensors[:count])
 
     @staticmethod
+    @override
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
         use: RawUse = ctx.use

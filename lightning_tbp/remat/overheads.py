@@ -47,7 +47,9 @@ _MEASURED: dict[str, StepOverheads] = {}
 def step_overheads(device: torch.device) -> StepOverheads:
     """The overheads on ``device``'s type, measured the first time they are asked for."""
     if device.type not in _MEASURED:
-        _MEASURED[device.type] = _measure(device)
+        # the measurement draws its own inputs; the user's random stream must not move
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            _MEASURED[device.type] = _measure(device)
     return _MEASURED[device.type]
 
 

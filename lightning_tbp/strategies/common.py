@@ -26,12 +26,13 @@ from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES, STEP_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.strategies.privacy import PrivacyConfig, PrivateTraining
+from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
 
 
 class PlanAgreementError(RuntimeError):
@@ -115,6 +116,7 @@ class TinyBackpropMixin:
         self._reported: set[int] = set()
 
     # -- the parts of the Lightning strategy API that change --------------------------------------
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         trainer = self.lightning_module.trainer
@@ -122,12 +124,22 @@ class TinyBackpropMixin:
             # before Lightning restores callback states from a checkpoint: the accountant rides on it
             trainer.callbacks.append(self.privacy.callback)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == "fit" and self.privacy is not None:
             self.privacy.setup(trainer, self.lightning_module, self._gradient_sum())
-        if trainer.state.fn == "fit" and self.plan is None and self.memory_budget is not None:
+        if trainer.state.fn == "fit" and self.memory_budget is not None:
+            # a new plan for every fit: the last one was removed at teardown (also after a failed or
+            # interrupted fit), and a resumed run's model may have changed since
             module, path = self.target_module()
+            if not any(p.requires_grad for p in module.parameters()):
+                raise ValueError(
+                    f"tiny_backprop plans {path or 'the LightningModule'} ({type(module).__name__}), but none of its "
+                    "parameters is trainable: there is no backward to plan. Set target= to the module that "
+                    "trains, or memory_budget=None"
+                )
+            self._reported.clear()
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
             self.plan = Plan(
@@ -152,7 +164,14 @@ class TinyBackpropMixin:
         model = self.lightning_module
         assert model is not None
         if self.target is not None:
-            return model.get_submodule(self.target), self.target
+            try:
+                return model.get_submodule(self.target), self.target
+            except AttributeError as error:
+                children = ", ".join(name for name, _ in model.named_children()) or "none"
+                raise ValueError(
+                    f"tiny_backprop target={self.target!r}: {type(model).__name__} has no such submodule "
+                    f"({error}). Its direct children: {children}"
+                ) from None
         children = [
             (sum(p.numel() for p in child.parameters() if p.requires_grad), name, child)
             for name, child in model.named_children()
@@ -184,6 +203,24 @@ class TinyBackpropMixin:
             )
         return gathered[0][1]
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self.plan is None:
+            return
+        module, path = self.target_module()
+        frozen_modes = [name or "(root)" for name, m in module.named_modules() if not m.training]
+        if frozen_modes:
+            shown = ", ".join(frozen_modes[:5]) + (", ..." if len(frozen_modes) > 5 else "")
+            warnings.warn(
+                f"tiny_backprop: {len(frozen_modes)} module(s) of {path or 'the LightningModule'} "
+                f"({type(module).__name__}) are in eval mode at the start of training ({shown}), so dropout "
+                "does not run and the plan is made for that step. diffusers' from_pretrained returns a model in "
+                "eval mode and Lightning keeps submodule modes: call .train() on it in your LightningModule",
+                stacklevel=2,
+            )
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module.trainer
@@ -194,6 +231,7 @@ class TinyBackpropMixin:
                 self.plan.batch_ceiling = self.privacy.micro_batch_ceiling
         return dataloader
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.privacy is not None and self.privacy.is_empty(args[0] if args else None):
             return None  # a Poisson micro-batch can be empty: no forward; noise still comes at the step
@@ -205,20 +243,18 @@ class TinyBackpropMixin:
             module.zero_grad(set_to_none=True)
         return super().training_step(*args, **kwargs)
 
+    @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self.privacy is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Lightning's chain with the engine's backward in the middle (see Strategy.backward).
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self.privacy.backward(closure_loss, module.trainer)
-        self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
+        # Lightning's own chain; the loss's backward() at its end is the engine's (PerSampleLoss)
+        with self.privacy.backward_through(self.lightning_module.trainer):
+            super().backward(closure_loss.as_subclass(PerSampleLoss), optimizer, *args, **kwargs)
         return closure_loss
 
+    @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         if self.privacy is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -230,6 +266,7 @@ class TinyBackpropMixin:
 
         return super().optimizer_step(optimizer, closure_then_noise, model, **kwargs)
 
+    @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
         if self.plan is None:
@@ -288,6 +325,7 @@ class TinyBackpropMixin:
             summary.pop(detail)
         return {"plan": summary, "dp": dp}
 
+    @override
     def teardown(self) -> None:
         if self.privacy is not None:
             self.privacy.teardown()

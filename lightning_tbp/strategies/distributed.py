@@ -19,13 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from typing_extensions import override
 
 from lightning_tbp.compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_tbp.strategies.common import TinyBackpropMixin
@@ -52,12 +52,14 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
 
     strategy_name = "tiny_backprop_ddp"
 
+    @override
     def configure_ddp(self) -> None:
         if self.privacy is None:
             super().configure_ddp()
             return
         _sync_module_states(self.model)  # what DDP's constructor does: every rank starts from rank 0's weights
 
+    @override
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
         return all_reduce_sum
 
@@ -72,6 +74,7 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
             raise ValueError("dp is not available with tiny_backprop_fsdp; use tiny_backprop_ddp")
         super().__init__(*args, **kwargs)
 
+    @override
     def setup_environment(self) -> None:
         if self.root_device.type != "cuda":
             raise ValueError(
@@ -100,25 +103,42 @@ def shard_blocks(module: nn.Module, **fully_shard_kwargs: Any) -> list[str]:
 
 
 class _ShardingModelParallel(ModelParallelStrategy):
-    """Lightning's ``ModelParallelStrategy`` used for pure data parallelism with FSDP2 applied
-    by the strategy: the model needs no ``configure_model``, the mesh is data-parallel only."""
+    """Lightning's ``ModelParallelStrategy`` used for pure data parallelism, with FSDP2 applied by
+    the strategy in the place Lightning gives parallelisation: the LightningModule's
+    ``configure_model`` hook.
 
+    Lightning calls ``configure_model`` after the process group and device mesh exist, inside the
+    strategy's init contexts, and ``ModelParallelStrategy.setup`` then materialises, converts and
+    moves the sharded model as usual. So at ``connect`` the module gets an instance-level
+    ``configure_model`` that runs its own (if any) and then :meth:`apply_fsdp2`; ``teardown``
+    removes it. Nothing of Lightning's set-up is repeated or replaced.
+    """
+
+    @override
     def setup_environment(self) -> None:
+        # data parallel only: "auto" would make the processes of a node a tensor-parallel group
         self._data_parallel_size = self.num_nodes * self.num_processes
         self._tensor_parallel_size = 1
         super().setup_environment()
 
-    def setup(self, trainer: Any) -> None:
-        # ModelParallelStrategy.setup without its demand that configure_model applied the parallelism
-        assert self.accelerator is not None and self.model is not None
-        self.accelerator.setup(trainer)
-        self.apply_fsdp2()
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        Strategy.setup(self, trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        own = model.configure_model
+
+        def configure_model_then_shard() -> None:
+            own()
+            self.apply_fsdp2()
+
+        # a plain function (not functools.wraps): Lightning calls the hook only when it sees it overridden
+        model.configure_model = configure_model_then_shard
+
+    @override
+    def teardown(self) -> None:
+        module = self.lightning_module
+        if module is not None and "configure_model" in vars(module):
+            del module.configure_model
+        super().teardown()
 
     def apply_fsdp2(self) -> None:
         raise NotImplementedError
@@ -145,6 +165,7 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
         super().__init__(*args, **kwargs)
         self.reshard_after_forward = reshard_after_forward
 
+    @override
     def apply_fsdp2(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 

@@ -4,14 +4,19 @@
 the accountant. The strategy calls it at four points: ``setup`` (attach the engine),
 ``process_dataloader`` (re-sample the train loader), ``backward`` (clip per sample, no noise yet)
 and ``optimizer_step`` (noise once per logical batch, divide by the expected logical batch size,
-one accountant step). ``PrivacyCallback`` logs ε every epoch and carries the accountant in
-Lightning checkpoints, so a resumed run keeps the privacy it already spent.
+one accountant step). The backward goes through Lightning's own chain (precision plugin,
+callbacks' and the module's hooks, a user's ``LightningModule.backward``): the strategy hands it
+the loss as a :class:`PerSampleLoss`, whose ``backward()`` is the engine's. ``PrivacyCallback``
+logs ε every epoch and carries the accountant in Lightning checkpoints, so a resumed run keeps
+the privacy it already spent.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -20,6 +25,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader
+from typing_extensions import override
 
 from lightning_tbp.compat import foreach_div_, tree_flatten
 from lightning_tbp.privacy import MODES, DPEngine, PerSampleLossError, attach
@@ -60,6 +66,42 @@ def _require(value: float, name: str, what: str, ok: Callable[[float], bool]) ->
 
 class PrivacyBudgetExceededError(RuntimeError):
     """A step would take the run past its target ε (more steps than it was calibrated for)."""
+
+
+#: The DP backward of the step in progress: set by the strategy around Lightning's backward chain.
+_STEP_BACKWARD: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("dp_step_backward", default=None)
+
+
+class PerSampleLoss(torch.Tensor):
+    """The per-sample loss as Lightning's backward chain sees it under DP: ``backward()`` clips.
+
+    Lightning ends its chain in ``LightningModule.backward``, which calls ``loss.backward()``. A
+    plain tensor would backpropagate once, unclipped; this view of the same tensor (same data,
+    same graph) runs the engine's backward instead, so the precision plugin, every hook and a
+    user's ``backward`` override stay in the chain. Arithmetic keeps the type (Lightning divides
+    the loss by ``accumulate_grad_batches``); outside a DP step its ``backward()`` refuses.
+    """
+
+    @override
+    def backward(  # type: ignore[override]
+        self,
+        gradient: torch.Tensor | None = None,
+        retain_graph: bool | None = None,
+        create_graph: bool = False,
+        inputs: object = None,
+    ) -> None:
+        step = _STEP_BACKWARD.get()
+        if step is None:
+            raise RuntimeError("this per-sample loss belongs to a DP step that has ended; backward() runs only once")
+        given = {"gradient": gradient, "retain_graph": retain_graph, "create_graph": create_graph, "inputs": inputs}
+        given = {name: value for name, value in given.items() if value not in (None, False)}
+        if given:
+            raise ValueError(
+                f"under DP, loss.backward() takes no arguments (got {', '.join(given)}): the engine runs the "
+                "passes per-sample clipping needs. A LightningModule.backward override must call loss.backward()"
+            )
+        _STEP_BACKWARD.set(None)  # once per step
+        step(self.as_subclass(torch.Tensor))
 
 
 def wants_per_sample_loss(trainer: pl.Trainer | None) -> bool:
@@ -146,6 +188,20 @@ class PrivateTraining:
         future = [(self.noise_multiplier, self.sample_rate, remaining)] if remaining else []
         return epsilon_of([*self.accountant.history, *future], self.config.target_delta, self.config.accountant)
 
+    @contextlib.contextmanager
+    def backward_through(self, trainer: pl.Trainer) -> Iterator[None]:
+        """While Lightning's backward chain runs, a :class:`PerSampleLoss`'s ``backward()`` is this step's."""
+        token = _STEP_BACKWARD.set(lambda loss: self.backward(loss, trainer))
+        try:
+            yield
+            if _STEP_BACKWARD.get() is not None:
+                raise RuntimeError(
+                    "the backward chain never called loss.backward(), so no sample's gradient was clipped: a "
+                    "LightningModule.backward override must call loss.backward() under DP"
+                )
+        finally:
+            _STEP_BACKWARD.reset(token)
+
     def backward(self, loss: torch.Tensor, trainer: pl.Trainer) -> None:
         if loss.dim() != 1:
             raise PerSampleLossError(
@@ -216,6 +272,7 @@ class PrivacyCallback(Callback):
     def __init__(self, training: PrivateTraining) -> None:
         self.training = training
 
+    @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         epsilon, planned = self.training.epsilon(), self.training.planned_epsilon()
         pl_module.log("dp/epsilon", epsilon, on_epoch=True, on_step=False)
@@ -226,8 +283,10 @@ class PrivacyCallback(Callback):
             "planned"
         )
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return self.training.state_dict()
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.training.load_state_dict(state_dict)

@@ -49,9 +49,9 @@ def global_batches(out: Path) -> list[torch.Tensor]:
     return [torch.cat(step) for step in zip(*per_rank, strict=True)]
 
 
-def single_process_params(batches: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+def single_process_params(batches: list[torch.Tensor], scenario: str = "reference") -> dict[str, torch.Tensor]:
     """Plain autograd, no plan, one process, on the global batches the two ranks shared."""
-    model = Regressor("reference", Path("."))
+    model = Regressor(scenario, Path("."))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     data = regression_data()
     for indices in batches:
@@ -85,7 +85,7 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp"])
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
     out = tmp_path / scenario
     result = run_two_processes(scenario, out)
@@ -93,9 +93,12 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
     params = torch.load(out / "params.pt")
     batches = global_batches(out)
     assert len(batches) == 4 and all(len(b) == PER_RANK_BATCH * WORLD for b in batches)
-    reference = single_process_params(batches)
+    reference = single_process_params(batches, scenario)
+    initial = torch.load(out / "initial.pt")
     for name, ref in reference.items():
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
+        if scenario.startswith("lora") and "lora_" not in name:
+            assert torch.equal(params[name], initial[name]), f"frozen {name} moved"
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())

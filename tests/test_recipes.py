@@ -14,7 +14,7 @@ from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_tbp.cli import run_lightning_cli
-from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule
+from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule, load_lora
 from lightning_tbp.diffusion.models import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -100,7 +100,9 @@ def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, 
     assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
     assert module.flops_per_batch > 0
     assert any(isinstance(c, Callback) and type(c).__name__ == "MemoryProfilerCallback" for c in cli.trainer.callbacks)
-    if module.family.name == "unet2d":
+    if module.lora is not None:
+        load_lora(UNet2DModel.from_pretrained(pretrained_unet), module.exported_to)
+    elif module.family.name == "unet2d":
         pipeline = DDPMPipeline.from_pretrained(module.exported_to)
         assert pipeline.unet.config.sample_size == 32
     else:

@@ -1,6 +1,7 @@
 """Diffusion training with diffusers models: the LightningModule, data modules, sampling."""
 
 from lightning_tbp.diffusion.data import DigitsDataModule, ImageFolderDataModule, images_in_batch
+from lightning_tbp.diffusion.lora import LoraOptions, add_lora, load_lora, save_lora
 from lightning_tbp.diffusion.models import FAMILIES, build_model, small_unet_config
 from lightning_tbp.diffusion.module import DiffusionModule
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
@@ -10,9 +11,13 @@ __all__ = [
     "DiffusionModule",
     "DigitsDataModule",
     "ImageFolderDataModule",
+    "LoraOptions",
+    "add_lora",
     "build_model",
     "images_in_batch",
+    "load_lora",
     "sample",
     "save_image_grid",
+    "save_lora",
     "small_unet_config",
 ]

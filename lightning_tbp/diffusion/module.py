@@ -22,6 +22,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
+from lightning_tbp.diffusion.lora import DEFAULT_TARGETS, LoraOptions, add_lora, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
@@ -46,6 +47,12 @@ class DiffusionModule(L.LightningModule):
         export, export_dir: write the model with ``save_pretrained`` at the end of fit, to
             ``export_dir`` (default ``<log_dir>/pretrained``).
         compute_flops: measure FLOPs per batch (on the meta device) for ``ThroughputMonitor``.
+        lora_rank: fine-tune LoRA adapters of this rank instead of the whole model (peft; the
+            base weights are frozen; export writes the adapters in diffusers' LoRA format).
+        lora_alpha: the adapters' scale numerator (scale alpha/rank; default: the rank).
+        lora_target_modules: names (or name suffixes) of the layers to adapt; default the
+            attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0``.
+        lora_dropout: dropout on the adapters' input.
     """
 
     def __init__(
@@ -67,6 +74,10 @@ class DiffusionModule(L.LightningModule):
         export: bool = True,
         export_dir: str | None = None,
         compute_flops: bool = True,
+        lora_rank: int | None = None,
+        lora_alpha: float | None = None,
+        lora_target_modules: list[str] | None = None,
+        lora_dropout: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -76,6 +87,17 @@ class DiffusionModule(L.LightningModule):
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.family = family_spec(family)
         self.model = build_model(family, model_config, pretrained)
+        self.lora: LoraOptions | None = None
+        if lora_rank is not None:
+            targets = tuple(lora_target_modules) if lora_target_modules else DEFAULT_TARGETS
+            self.lora = LoraOptions(lora_rank, lora_alpha, targets, lora_dropout)
+            adapters = add_lora(self.model, self.lora)
+            rank_zero_info(
+                f"DiffusionModule: LoRA rank {lora_rank} on {', '.join(targets)}: {adapters:,} trainable parameters "
+                f"of {sum(p.numel() for p in self.model.parameters()):,}"
+            )
+        elif lora_alpha is not None or lora_target_modules is not None or lora_dropout:
+            raise ValueError("lora_alpha, lora_target_modules and lora_dropout need lora_rank")
         self.noise_scheduler = DDPMScheduler(
             num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
         )
@@ -141,9 +163,8 @@ class DiffusionModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay
-        )
+        trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters alone under LoRA
+        optimizer = torch.optim.AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
         warmup = self.hparams.lr_warmup_steps
         if warmup <= 0:
             return optimizer
@@ -214,18 +235,24 @@ class DiffusionModule(L.LightningModule):
     @override
     def on_fit_end(self) -> None:
         if self.hparams.export and self.trainer.is_global_zero:
-            self.exported_to = self.export(self.hparams.export_dir or Path(self._output_root()) / "pretrained")
-            rank_zero_info(f"DiffusionModule: model written to {self.exported_to} (diffusers save_pretrained)")
+            default = Path(self._output_root()) / ("lora" if self.lora is not None else "pretrained")
+            self.exported_to = self.export(self.hparams.export_dir or default)
+            what = "LoRA adapters (diffusers' format)" if self.lora is not None else "model (diffusers save_pretrained)"
+            rank_zero_info(f"DiffusionModule: {what} written to {self.exported_to}")
 
     def export(self, directory: str | Path) -> Path:
         """Write the (EMA) model and the noise scheduler as a diffusers folder.
 
         ``unet2d`` becomes a ``DDPMPipeline`` folder; the other families a pipeline-style folder
-        with the model in ``transformer``/``unet`` and the scheduler in ``scheduler``.
+        with the model in ``transformer``/``unet`` and the scheduler in ``scheduler``. Under LoRA
+        only the adapters are written (``pytorch_lora_weights.safetensors``, diffusers' format):
+        the base weights are the pretrained folder's.
         """
         directory = Path(directory)
         model = self.inference_model
-        if self.family.name == "unet2d":
+        if self.lora is not None:
+            save_lora(model, directory)
+        elif self.family.name == "unet2d":
             DDPMPipeline(unet=model, scheduler=self.noise_scheduler).save_pretrained(directory)
         else:
             model.save_pretrained(directory / self.family.pipeline_subfolder)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from models import tiny_unet
 
 from lightning_tbp import MemoryProfilerCallback
+from lightning_tbp.diffusion import LoraOptions, add_lora
 
 SAMPLES = 8
 PER_RANK_BATCH = 2
@@ -44,6 +45,8 @@ class Regressor(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = tiny_unet()
+        if scenario.startswith("lora"):  # only rank-4 adapters on the attention projections train
+            add_lora(self.net, LoraOptions(rank=4))
         self.scenario, self.out = scenario, out
         self.seen: list[torch.Tensor] = []  # sample indices per step
 

@@ -1,0 +1,151 @@
+"""LoRA fine-tuning: only the adapters train (with the plan, under DP), and they reload in diffusers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers import DDPMPipeline, DDPMScheduler, UNet2DConditionModel, UNet2DModel
+from dp_reference import clipped_sum, per_sample_grads
+from models import tiny_cond_unet
+from test_recipes import CONFIGS, TINY_UNET, write_images
+
+from lightning_tbp.cli import run_lightning_cli
+from lightning_tbp.diffusion import LoraOptions, add_lora, load_lora
+from lightning_tbp.diffusion.lora import WEIGHT_NAME
+from lightning_tbp.privacy import attach
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("pretrained") / "tiny-ddpm"
+    UNet2DModel(**TINY_UNET, in_channels=3, out_channels=3).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    return write_images(tmp_path_factory.mktemp("images"))
+
+
+def _fit_recipe(pretrained: Path, images: Path, tmp_path: Path, *extra: str):
+    args = ["fit", "-c", str(CONFIGS / "finetune_lora.yaml")]
+    args += [f"--model.init_args.pretrained={pretrained}", f"--data.init_args.root={images}"]
+    args += ["--trainer.accelerator=cpu", "--trainer.max_steps=2", "--trainer.precision=32"]
+    args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    args += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.val_fraction=0.2"]
+    args += ["--model.init_args.sample_images=2", "--model.init_args.sample_steps=2", "--trainer.limit_val_batches=0"]
+    return run_lightning_cli([*args, *extra])
+
+
+def _only_adapters_moved(model: torch.nn.Module, pretrained: Path) -> None:
+    base = UNet2DModel.from_pretrained(pretrained).state_dict()
+    moved = []
+    for name, value in model.state_dict().items():
+        if "lora_" in name:
+            moved.append(name)
+            continue
+        key = name.replace(".base_layer", "")
+        assert torch.equal(value, base[key]), f"base weight {name} changed"
+    assert moved
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {n for n in moved if n.endswith("weight")}
+
+
+@pytest.mark.parametrize(
+    "strategy",
+    [[], ["--trainer.strategy.dp=ghost", "--trainer.strategy.noise_multiplier=1.0"]],
+    ids=["plan", "plan_dp_ghost"],
+)
+def test_the_lora_recipe_trains_only_the_adapters(strategy, pretrained, images, tmp_path) -> None:
+    cli = _fit_recipe(pretrained, images, tmp_path, "--trainer.strategy.memory_budget=0.6", *strategy)
+    module, trainer = cli.model, cli.trainer
+    assert trainer.global_step == 2 and trainer.strategy.plan.current is not None
+    _only_adapters_moved(module.model, pretrained)
+    adapters = [p for n, p in module.model.named_parameters() if "lora_B" in n]
+    assert any(p.abs().sum() > 0 for p in adapters)  # gaussian init of A, B moved from 0 by training
+    assert (module.exported_to / WEIGHT_NAME).is_file()
+    if strategy:
+        assert trainer.strategy.privacy.accountant.steps == 2
+
+
+def test_lora_adapters_reload_into_a_ddpm_pipeline_with_the_same_samples(pretrained, images, tmp_path) -> None:
+    cli = _fit_recipe(pretrained, images, tmp_path, "--trainer.strategy.memory_budget=null")
+    trained = cli.model.model.eval()
+    reloaded = load_lora(UNet2DModel.from_pretrained(pretrained), cli.model.exported_to).eval()
+    scheduler = DDPMScheduler(num_train_timesteps=1000)
+    outputs = []
+    for unet in (trained, reloaded):
+        pipeline = DDPMPipeline(unet=unet, scheduler=scheduler)
+        generator = torch.Generator().manual_seed(3)
+        outputs.append(pipeline(batch_size=1, generator=generator, num_inference_steps=3, output_type="np").images)
+    assert (outputs[0] == outputs[1]).all()
+    plain = DDPMPipeline(unet=UNet2DModel.from_pretrained(pretrained).eval(), scheduler=scheduler)
+    base = plain(batch_size=1, generator=torch.Generator().manual_seed(3), num_inference_steps=3, output_type="np")
+    assert not (base.images == outputs[0]).all()  # the adapters change the samples
+
+
+def test_diffusers_loads_the_adapters_of_a_conditional_unet(tmp_path) -> None:
+    from lightning_tbp.diffusion import save_lora
+
+    torch.manual_seed(0)
+    base = tiny_cond_unet()
+    base.save_pretrained(tmp_path / "base")
+    model = UNet2DConditionModel.from_pretrained(tmp_path / "base")
+    add_lora(model, LoraOptions(rank=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    save_lora(model, tmp_path / "lora")
+    loaded = UNet2DConditionModel.from_pretrained(tmp_path / "base")
+    loaded.load_lora_adapter(str(tmp_path / "lora"), prefix=None, weight_name=WEIGHT_NAME)
+    x = torch.randn(2, 4, 16, 16)
+    states = torch.randn(2, 3, model.config.cross_attention_dim)
+    with torch.no_grad():
+        want = model(x, torch.tensor([10, 500]), encoder_hidden_states=states).sample
+        got = loaded(x, torch.tensor([10, 500]), encoder_hidden_states=states).sample
+        plain = base(x, torch.tensor([10, 500]), encoder_hidden_states=states).sample
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(plain, want)
+
+
+def test_a_dp_step_on_lora_adapters_is_exact() -> None:
+    torch.manual_seed(0)
+    model = UNet2DModel(**TINY_UNET, in_channels=3, out_channels=3)
+    add_lora(model, LoraOptions(rank=4))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)
+    x, t = torch.randn(4, 3, 32, 32), torch.tensor([1, 200, 400, 900])
+
+    def loss(call, batch):
+        return call(batch["x"], batch["t"]).sample.square().flatten(1).mean(1)
+
+    grads = per_sample_grads(model, loss, {"x": x, "t": t})
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    clip = float(norms.median())
+    expected, _ = clipped_sum(grads, clip)
+    engine = attach(model, "ghost", clip, 0.0)
+    try:
+        engine.backward(loss(model, {"x": x, "t": t}))
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                torch.testing.assert_close(param.grad, expected[name], rtol=1e-4, atol=1e-6)
+            else:
+                assert param.grad is None, name
+    finally:
+        engine.detach()
+
+
+def test_lora_options_are_checked() -> None:
+    from lightning_tbp.diffusion import DiffusionModule
+
+    with pytest.raises(ValueError, match="match no layer of UNet2DModel"):
+        add_lora(UNet2DModel(**TINY_UNET), LoraOptions(rank=2, target_modules=("nonexistent",)))
+    with pytest.raises(ValueError, match="need lora_rank"):
+        DiffusionModule(model_config=TINY_UNET, lora_alpha=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        LoraOptions(rank=0)

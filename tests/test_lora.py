@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from diffusers import DDPMPipeline, DDPMScheduler, UNet2DConditionModel, UNet2DModel
+from diffusers import DDPMPipeline, DDPMScheduler, DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from dp_reference import clipped_sum, per_sample_grads
 from models import tiny_cond_unet
-from test_recipes import CONFIGS, TINY_UNET, write_images
+from test_recipes import CONFIGS, TINY_DIT, TINY_UNET, write_images
 
 from lightning_tbp.cli import run_lightning_cli
 from lightning_tbp.diffusion import LoraOptions, add_lora, load_lora
@@ -111,26 +111,41 @@ def test_diffusers_loads_the_adapters_of_a_conditional_unet(tmp_path) -> None:
     assert not torch.allclose(plain, want)
 
 
-def test_a_dp_step_on_lora_adapters_is_exact() -> None:
-    torch.manual_seed(0)
+def _unet2d():
     model = UNet2DModel(**TINY_UNET, in_channels=3, out_channels=3)
+    return model, lambda call, b: call(b["x"], b["t"]).sample.square().flatten(1).mean(1)
+
+
+def _dit():
+    model = DiTTransformer2DModel(**TINY_DIT, in_channels=3, out_channels=3, num_embeds_ada_norm=10)
+
+    def loss(call, b):
+        return call(b["x"], timestep=b["t"], class_labels=b["labels"]).sample.square().flatten(1).mean(1)
+
+    return model, loss
+
+
+@pytest.mark.parametrize("build", [_unet2d, _dit], ids=["unet2d", "dit"])
+def test_a_dp_step_on_lora_adapters_is_exact(build) -> None:
+    torch.manual_seed(0)
+    model, loss = build()
     add_lora(model, LoraOptions(rank=4))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(std=0.1)
-    x, t = torch.randn(4, 3, 32, 32), torch.tensor([1, 200, 400, 900])
-
-    def loss(call, batch):
-        return call(batch["x"], batch["t"]).sample.square().flatten(1).mean(1)
-
-    grads = per_sample_grads(model, loss, {"x": x, "t": t})
+    batch = {
+        "x": torch.randn(4, 3, 32, 32),
+        "t": torch.tensor([1, 200, 400, 900]),
+        "labels": torch.tensor([1, 2, 3, 4]),
+    }
+    grads = per_sample_grads(model, loss, batch)
     norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
     clip = float(norms.median())
     expected, _ = clipped_sum(grads, clip)
     engine = attach(model, "ghost", clip, 0.0)
     try:
-        engine.backward(loss(model, {"x": x, "t": t}))
+        engine.backward(loss(model, batch))
         for name, param in model.named_parameters():
             if param.requires_grad:
                 torch.testing.assert_close(param.grad, expected[name], rtol=1e-4, atol=1e-6)

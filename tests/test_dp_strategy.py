@@ -175,7 +175,7 @@ def test_clear_errors(tmp_path) -> None:
 
 
 def test_a_budget_with_a_bookkeeping_mode_warns_that_the_plan_cannot_help() -> None:
-    with pytest.warns(UserWarning, match="cannot lower the peak"):
+    with pytest.warns(UserWarning, match="no plan can recompute away"):
         TinyBackpropStrategy(dp="flash_bookkeeping", noise_multiplier=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -105,10 +105,11 @@ class TinyBackpropMixin:
         self.privacy = _private_training(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
         if self.privacy is not None and self.memory_budget is not None and STEP_PASSES[dp] == 1:
             warnings.warn(
-                f"lightning_tbp: dp={dp!r} records every layer's input and output gradient until the backward "
-                "ends, so it holds again what the rematerialization plan recomputes: the plan costs recompute "
-                "time and cannot lower the peak. To train privately in less memory, use dp='ghost' or 'flash' "
-                "with the budget; to keep this mode, pass memory_budget=None (docs/privacy.md)",
+                f"lightning_tbp: dp={dp!r} keeps every clipped layer's input until the backward ends, which no "
+                "plan can recompute away: the plan (which models this) lowers the peak only by the other saved "
+                "tensors (norms, activations) and costs recompute time. To train privately in the least memory, "
+                "use dp='ghost' or 'flash' with the budget; to keep this mode without a plan, pass "
+                "memory_budget=None (docs/privacy.md)",
                 stacklevel=3,
             )
         self.target = target

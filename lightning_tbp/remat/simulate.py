@@ -267,6 +267,7 @@ class _Replay:
         self.recompute_cost = 0.0
         self.recompute_flops = 0
         self.recompute_counts: dict[int, int] = {}
+        self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
 
         # the step's backward passes (see ``step.py``)
         self.pass_ = sim.step.passes[0]
@@ -352,6 +353,14 @@ class _Replay:
             self.alive.discard(sid)
             self.mem -= self.size(sid)
 
+    def context(self, node: int, region: int) -> int:
+        """``Simulator.context`` under this replay's plan, memoised: every event asks it, often more than once."""
+        key = (node, region)
+        found = self.contexts.get(key)
+        if found is None:
+            found = self.contexts[key] = self.sim.context(node, region, self.options)
+        return found
+
     def allocate(self, sid: int) -> None:
         self.alive.add(sid)
         self.python_refs.add(sid)
@@ -369,7 +378,7 @@ class _Replay:
             return remap.get(sid, sid)
 
         for event in range(lo, hi + 1):
-            ctx = sim.context(trace.event_node[event], region, options)
+            ctx = self.context(trace.event_node[event], region)
             if ctx >= 0 and event == sim.first[ctx]:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
@@ -446,7 +455,7 @@ class _Replay:
         not re-run, but what it packed stays in the checkpoint until its backward unpacks it.
         """
         sim, trace = self.sim, self.trace
-        ctx = sim.context(trace.event_node[stop], region, self.options)
+        ctx = self.context(trace.event_node[stop], region)
         if ctx >= 0 and stop == sim.first[ctx]:
             self.enter_checkpoint(ctx, mapped)
             self.recomputed_nodes.add(ctx)
@@ -493,10 +502,10 @@ class _Replay:
         return []
 
     def backward(self, region: int, lo: int, hi: int) -> None:
-        sim, trace, options = self.sim, self.trace, self.options
+        sim, trace = self.sim, self.trace
         event = hi
         while event >= lo:
-            ctx = sim.context(trace.event_node[event], region, options)
+            ctx = self.context(trace.event_node[event], region)
             if ctx < 0:
                 self.backward_event(event)
                 event -= 1
@@ -521,7 +530,7 @@ class _Replay:
         inner_starts = []
         plain_last = first - 1
         for event in range(first, last + 1):
-            ctx = sim.context(trace.event_node[event], block, self.options)
+            ctx = self.context(trace.event_node[event], block)
             if ctx >= 0 and event == sim.first[ctx]:
                 inner_starts.append(event)
             if ctx < 0 and trace.event_saves[event]:

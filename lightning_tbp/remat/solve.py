@@ -45,6 +45,8 @@ _MAX_PRUNE_PASSES = 4
 #: Above this many blocks, the greedy applies moves in batches and only the cheapest candidate is
 #: pruned, in one pass (planning stays within seconds for hundreds of blocks).
 _LARGE_MODEL_NODES = 64
+#: Lagrangian starts (the loosest targets of the portfolio) tried on large models.
+_LARGE_MODEL_LAGRANGIAN_STARTS = 2
 #: Prices per byte swept by the Lagrangian start, in cost units (nanoseconds) per byte.
 _LAMBDAS = tuple(10 ** (k / 8) for k in range(-40, 33))
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
@@ -141,7 +143,10 @@ class Solver:
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.
         targets = [int(target_bytes * f) for f in _TARGET_PORTFOLIO]
         candidates = self.greedy_path(keep_all, naive, targets)
-        for target in targets:
+        # each Lagrangian start costs a repair descent; on large models the tighter two rarely won
+        # (SDXL-style U-Net, 152 blocks, budgets 0.29-0.5: never) and cost a third of the solve
+        large = len(self.nodes) > _LARGE_MODEL_NODES
+        for target in targets[:_LARGE_MODEL_LAGRANGIAN_STARTS] if large else targets:
             options, result = self.greedy(*self.lagrangian_start(naive, target), target)
             if result.peak_bytes <= target:
                 candidates.append((options, result))

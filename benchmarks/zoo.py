@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_label, grads_of, max_rel_diff, pyplot, timed_step
-from zoo_models import ZOO, ZooCase
+from zoo_models import BENCH_ONLY, ZOO, ZooCase
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
@@ -44,7 +44,7 @@ from lightning_tbp.remat.flops import FLOP_FORMULAS
 
 #: Batch per architecture: activations, not parameter gradients, dominate the step at these.
 BATCHES = {"unet2d": 2, "sdxl_unet": 8, "controlnet": 8, "vae": 2, "dit": 8, "pixart": 8, "sana": 2, "sd3": 8}
-BATCHES |= {"flux": 4, "cogvideox": 2}
+BATCHES |= {"flux": 4, "cogvideox": 2, "reference_unet": 4}
 
 
 def _peak(case: ZooCase) -> int:
@@ -69,7 +69,7 @@ def _grads(case: ZooCase) -> dict[str, torch.Tensor]:
 
 
 def run_architecture(name: str, trials: int) -> dict[str, Any]:
-    architecture = ZOO[name]
+    architecture = {**ZOO, **BENCH_ONLY}[name]
     case = architecture.case(batch=BATCHES.get(name, 2))
     model = case.model
     device = case.target.device
@@ -201,7 +201,7 @@ def plot(results: list[dict[str, Any]]) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=sorted(ZOO), help="one architecture, in this process")
+    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY), help="one architecture, in this process")
     parser.add_argument("--all", action="store_true", help="every architecture, each in its own process")
     parser.add_argument("--summarize", action="store_true", help="summary and plot from the JSON files in --out")
     parser.add_argument("--trials", type=int, default=7, help="interleaved timing rounds")

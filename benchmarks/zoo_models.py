@@ -335,3 +335,19 @@ ZOO = {
         Architecture("cogvideox", "CogVideoX (video)", _cogvideox, _cogvideox_inputs),
     )
 }
+
+
+def _reference_unet() -> nn.Module:
+    from cases import REFERENCE_UNET
+    from diffusers import UNet2DModel
+
+    return UNet2DModel(**REFERENCE_UNET, sample_size=64)
+
+
+#: Benchmarked on request (``zoo.py --arch``) but not part of the zoo the tests sweep: the reference
+#: U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak in interleaved rounds.
+BENCH_ONLY = {
+    "reference_unet": Architecture(
+        "reference_unet", "reference UNet2DModel, 64x64", _reference_unet, _image_inputs(3, 64)
+    )
+}

@@ -72,15 +72,9 @@ def _timesteps(generator: torch.Generator, batch: int) -> torch.Tensor:
 def _unet2d() -> nn.Module:
     from diffusers import UNet2DModel
 
-    return UNet2DModel(
-        sample_size=32,
-        block_out_channels=(32, 64, 64),
-        layers_per_block=2,
-        norm_num_groups=8,
-        down_block_types=("DownBlock2D", "AttnDownBlock2D", "DownBlock2D"),
-        up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=8,
-    )
+    from lightning_tbp.diffusion import small_unet_config
+
+    return UNet2DModel(**small_unet_config(32, 3))  # the recipes' small DDPM U-Net, RGB
 
 
 def _sdxl_unet() -> nn.Module:

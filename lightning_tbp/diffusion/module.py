@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
-from lightning_tbp.diffusion.lora import DEFAULT_TARGETS, LoraOptions, add_lora, save_lora
+from lightning_tbp.diffusion.lora import LoraOptions, add_lora, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
@@ -89,11 +89,12 @@ class DiffusionModule(L.LightningModule):
         self.model = build_model(family, model_config, pretrained)
         self.lora: LoraOptions | None = None
         if lora_rank is not None:
-            targets = tuple(lora_target_modules) if lora_target_modules else DEFAULT_TARGETS
-            self.lora = LoraOptions(lora_rank, lora_alpha, targets, lora_dropout)
+            targets = {"target_modules": tuple(lora_target_modules)} if lora_target_modules else {}
+            self.lora = LoraOptions(lora_rank, lora_alpha, dropout=lora_dropout, **targets)
             adapters = add_lora(self.model, self.lora)
             rank_zero_info(
-                f"DiffusionModule: LoRA rank {lora_rank} on {', '.join(targets)}: {adapters:,} trainable parameters "
+                f"DiffusionModule: LoRA rank {lora_rank} on {', '.join(self.lora.target_modules)}: {adapters:,} "
+                "trainable parameters "
                 f"of {sum(p.numel() for p in self.model.parameters()):,}"
             )
         elif lora_alpha is not None or lora_target_modules is not None or lora_dropout:

@@ -92,6 +92,7 @@ class Solver:
         trace = simulator.trace
         self.nodes = trace.nodes
         n = len(self.nodes)
+        self.large = n > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
         self.subtree_cost = [0.0] * n
         self.cheap_cost = [0.0] * n
         self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
@@ -145,8 +146,7 @@ class Solver:
         candidates = self.greedy_path(keep_all, naive, targets)
         # each Lagrangian start costs a repair descent; on large models the tighter two rarely won
         # (SDXL-style U-Net, 152 blocks, budgets 0.29-0.5: never) and cost a third of the solve
-        large = len(self.nodes) > _LARGE_MODEL_NODES
-        for target in targets[:_LARGE_MODEL_LAGRANGIAN_STARTS] if large else targets:
+        for target in targets[:_LARGE_MODEL_LAGRANGIAN_STARTS] if self.large else targets:
             options, result = self.greedy(*self.lagrangian_start(naive, target), target)
             if result.peak_bytes <= target:
                 candidates.append((options, result))
@@ -157,7 +157,7 @@ class Solver:
                 raise InfeasibleBudgetError(budget_bytes, result.peak_bytes, naive.peak_bytes)
             candidates.append((options, result))
         unique = {tuple(o): (o, r) for o, r in candidates}.values()
-        keep = 1 if len(self.nodes) > _LARGE_MODEL_NODES else _PRUNED_CANDIDATES
+        keep = 1 if self.large else _PRUNED_CANDIDATES
         cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:keep]
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = min(pruned, key=lambda c: c[1].recompute_cost)
@@ -357,7 +357,7 @@ class Solver:
             extra = 1.0 if cost_blind else self._cost_of(index, option) - self._cost_of(index, options[index])
             scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
-        if len(self.nodes) > _LARGE_MODEL_NODES:
+        if self.large:
             batched = self._batch_move(options, result, scored, result.peak_bytes - target_bytes)
             if batched is not None:
                 return batched
@@ -468,7 +468,7 @@ class Solver:
     def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
         """Undo or soften moves the plan does not need, most expensive first."""
         improved = True
-        passes = 1 if len(self.nodes) > _LARGE_MODEL_NODES else _MAX_PRUNE_PASSES
+        passes = 1 if self.large else _MAX_PRUNE_PASSES
         while improved and passes > 0:
             improved, passes = False, passes - 1
             planned = sorted(

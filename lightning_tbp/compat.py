@@ -6,9 +6,12 @@ breaks, this module (and ``tests/test_compat.py``, which exercises each) is the 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.utils
 
 # The base class of dispatch modes (the planner's profiler, lazy recipes, the CPU meter's no-op
 # mode); torch documents subclassing it, but it lives in a private module.
@@ -17,6 +20,11 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 # Pytrees: torch's own flattening of nested args/kwargs (tuples, lists, dicts, dataclass-like
 # outputs registered by torch); there is no public module for it in torch 2.13.
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: F401
+
+# Fake tensors: tensors with shapes, dtypes and storages but no data, so ``tbp estimate`` runs a
+# whole training step of a model that would not fit in this machine's memory. torch documents
+# them (``torch._subclasses.fake_tensor``) but keeps them in a private module.
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  # isort: skip
 
 # Device type constants of the profiler's memory events (the exact CPU meter filters on them).
 from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
@@ -57,3 +65,28 @@ def conv_forward(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor,
 def conv_explicit_padding(module: torch.nn.Module) -> tuple[int, ...]:
     """The padding a Conv layer applies with ``F.pad`` itself (non-zero padding modes, 'same')."""
     return module._reversed_padding_repeated_twice
+
+
+@contextlib.contextmanager
+def fake_module_conversion() -> Iterator[None]:
+    """Let ``Module.to(dtype)`` convert parameters that are fake tensors (``tbp estimate``).
+
+    torch 2.13's ``Module._apply`` swaps a fake parameter with its converted copy through
+    ``torch.utils.swap_tensors``, which refuses fake tensors (their fake mode holds weak
+    references to them), so Lightning's ``bf16-true`` conversion or peft adding LoRA adapters
+    fail on a fake model. Inside this context a fake parameter takes the converted data instead:
+    its identity, which is what the swap preserves, stays."""
+    swap = torch.utils.swap_tensors
+
+    def swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        if not isinstance(t1, FakeTensor):
+            swap(t1, t2)
+            return
+        with torch.no_grad():
+            t1.data = t2.data
+
+    torch.utils.swap_tensors = swap_or_set_data
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = swap

@@ -74,3 +74,20 @@ def test_conv_layers_run_with_a_given_weight_and_report_their_explicit_padding()
     torch.testing.assert_close(compat.conv_forward(conv, x, conv.weight, conv.bias), conv(x))
     padded = F.pad(x, compat.conv_explicit_padding(conv), mode="reflect")
     torch.testing.assert_close(F.conv2d(padded, conv.weight, conv.bias), conv(x))
+
+
+def test_fake_tensors_have_storages_and_fake_modules_convert_dtype() -> None:
+    """``tbp estimate`` relies on fake tensors' storages (views share one) and, inside
+    ``fake_module_conversion``, on ``Module.to(dtype)`` keeping each fake parameter's identity."""
+    with compat.FakeTensorMode():
+        layer = nn.Linear(3, 3)
+        weight = layer.weight
+        assert isinstance(weight, compat.FakeTensor)
+        assert weight.view(-1).untyped_storage()._cdata == weight.untyped_storage()._cdata
+        with compat.fake_module_conversion():
+            layer.to(torch.bfloat16)
+        assert layer.weight is weight and weight.dtype == torch.bfloat16 and weight.requires_grad
+    swapped_a, swapped_b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(2))
+    with compat.fake_module_conversion():
+        torch.utils.swap_tensors(swapped_a, swapped_b)  # real tensors still swap
+    assert float(swapped_a.sum()) == 2.0

@@ -56,6 +56,18 @@ class _SplitDataModule(L.LightningDataModule):
     def _dataset(self) -> Dataset:
         raise NotImplementedError
 
+    def _conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-sample shapes of the batch's conditioning tensors besides images and labels."""
+        return {}
+
+    def example_batch(self) -> dict[str, torch.Tensor]:
+        """A training batch's shapes and dtypes without reading any data (``tbp estimate`` builds
+        it under fake tensors): zeros, ``batch_size`` samples."""
+        size, channels, n = self.image_size, self.channels, self.batch_size
+        batch = {"images": torch.zeros(n, channels, size, size), "labels": torch.zeros(n, dtype=torch.long)}
+        batch.update({key: torch.zeros(n, *shape) for key, shape in self._conditioning_shapes().items()})
+        return batch
+
     @override
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
@@ -241,3 +253,10 @@ class ImageFolderDataModule(_SplitDataModule):
         )
         self.num_classes = len(dataset.classes)
         return dataset
+
+    @override
+    def _conditioning_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self.embeddings is None:
+            return {}
+        embeddings = torch.load(self.embeddings, map_location="cpu", weights_only=True)
+        return {"encoder_hidden_states": tuple(next(iter(embeddings.values())).shape)}

@@ -143,7 +143,7 @@ class Trace:
         raise KeyError(path)
 
 
-def _storage_key(tensor: torch.Tensor) -> int | None:
+def storage_key(tensor: torch.Tensor) -> int | None:
     try:
         return tensor.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, ...)
@@ -177,7 +177,7 @@ class _Recorder(TorchDispatchMode):
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
         """Storage id of ``tensor``, registering storages made outside the recorder."""
-        key = _storage_key(tensor)
+        key = storage_key(tensor)
         if key is None:
             return None
         sid = self.key_to_sid.get(key)
@@ -210,6 +210,8 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func.namespace == "prim":  # metadata queries (a fake tensor's ``.device``), no data
+            return out
         trace = self.trace
         event = trace.num_events
         seen: dict[int, int] = {}
@@ -224,7 +226,7 @@ class _Recorder(TorchDispatchMode):
         outputs: list[int] = []
         new_elements = 0
         for tensor in _tensors(out):
-            key = _storage_key(tensor)
+            key = storage_key(tensor)
             if key is None:
                 continue
             sid = self.key_to_sid.get(key)
@@ -317,7 +319,9 @@ def frozen_buffers(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved[name])
 
 
-def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: bool = False) -> Trace:
+def record_trace(
+    module: nn.Module, args: tuple, kwargs: dict, *, inside_call: bool = False, measure: bool = True
+) -> Trace:
     """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
 
     Random number generators are forked so the profiling pass does not shift the training run's
@@ -327,6 +331,10 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
     before it already ran for this call; the profile then runs ``module.forward`` alone. Calling
     the module again would run its hooks twice: FSDP2's post-forward hook, for one, would reshard
     the parameters that its pre-forward hook gathered for the real forward.
+
+    ``measure=False``: sizes, saves and FLOPs only, for a module and inputs made of fake tensors
+    (``lightning_tbp.estimate``): nothing can run for real, so op times, workspaces and plan
+    overheads are left at zero for the caller to model, and no device's random state is touched.
     """
     trace = Trace()
     root = Node(index=0, path="", parent=-1)
@@ -382,7 +390,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
         raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
 
     devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
-    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"}) if measure else []
     listening = listening_for_taps(tap)
     try:
         with (
@@ -396,16 +404,19 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
             trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
             recorder.recording = False  # what dies now dies with the forward's result
             del output
-        with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
-            workspaces = recorder.calibrator.measure_workspaces()
-            times = recorder.calibrator.measure_times()
+        workspaces: dict[int, tuple[int, int]] = {}
+        times: dict[int, tuple[float, float]] = {}
+        if measure:
+            with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
+                workspaces = recorder.calibrator.measure_workspaces()
+                times = recorder.calibrator.measure_times()
     finally:
         stop_listening(listening)
         for handle in handles:
             handle.remove()
-    forward_wall_ns = _time_forward(module, args, kwargs, inside_call, cuda_devices)
-
-    trace.framework_factor = max(1.0, forward_wall_ns / max(sum(c for c, _ in times.values()), 1.0))
+    if measure:
+        forward_wall_ns = _time_forward(module, args, kwargs, inside_call, cuda_devices)
+        trace.framework_factor = max(1.0, forward_wall_ns / max(sum(c for c, _ in times.values()), 1.0))
     trace.event_forward_workspace = [0] * trace.num_events
     trace.event_workspace = [0] * trace.num_events
     for event, (forward, backward) in workspaces.items():
@@ -416,7 +427,7 @@ def record_trace(module: nn.Module, args: tuple, kwargs: dict, *, inside_call: b
         trace.event_cost[event] = forward_ns
         trace.event_backward_cost[event] = backward_ns
     device = devices[0] if devices else torch.device("cpu")
-    trace.overheads = step_overheads(device)
+    trace.overheads = step_overheads(device) if measure else StepOverheads()
     trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:

@@ -67,6 +67,20 @@ def _private_training(
     return PrivateTraining(PrivacyConfig(dp, **given))
 
 
+def default_target(model: nn.Module) -> tuple[nn.Module, str]:
+    """The child of ``model`` with the most trainable parameters (the denoiser of a diffusion
+    LightningModule), and its attribute path; ``model`` itself when no child trains."""
+    children = [
+        (sum(p.numel() for p in child.parameters() if p.requires_grad), name, child)
+        for name, child in model.named_children()
+    ]
+    children = [c for c in children if c[0] > 0]
+    if not children:
+        return model, ""
+    _, name, child = max(children, key=lambda c: c[0])
+    return child, name
+
+
 class TinyBackpropMixin:
     """The options and hooks shared by the tiny_backprop strategies.
 
@@ -173,15 +187,7 @@ class TinyBackpropMixin:
                     f"tiny_backprop target={self.target!r}: {type(model).__name__} has no such submodule "
                     f"({error}). Its direct children: {children}"
                 ) from None
-        children = [
-            (sum(p.numel() for p in child.parameters() if p.requires_grad), name, child)
-            for name, child in model.named_children()
-        ]
-        children = [c for c in children if c[0] > 0]
-        if not children:
-            return model, ""
-        _, name, child = max(children, key=lambda c: c[0])
-        return child, name
+        return default_target(model)
 
     def _agree_on_plan(self, signature: Signature, local: ShapePlan | Exception) -> ShapePlan:
         """Every rank planned; all adopt rank 0's plan, or all raise if any rank failed.

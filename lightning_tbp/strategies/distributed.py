@@ -84,6 +84,17 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
         super().setup_environment()
 
 
+def fsdp2_units(module: nn.Module) -> list[str]:
+    """Paths of the units :func:`shard_blocks` shards besides ``module`` itself: the entries of
+    its outermost ``ModuleList`` s."""
+    paths: list[str] = []
+    for name, child in module.named_modules():
+        inside = any(name.startswith(f"{p}.") for p in paths)
+        if isinstance(child, nn.ModuleList) and not inside:
+            paths += [f"{name}.{index}" if name else str(index) for index in range(len(child))]
+    return paths
+
+
 def shard_blocks(module: nn.Module, **fully_shard_kwargs: Any) -> list[str]:
     """FSDP2: ``fully_shard`` each entry of the outermost ``ModuleList`` s of ``module`` (the
     down/up stages of a U-Net, the blocks of a DiT), then ``module`` itself; returns the paths.
@@ -91,11 +102,7 @@ def shard_blocks(module: nn.Module, **fully_shard_kwargs: Any) -> list[str]:
     One unit per stage or block keeps only one unsharded at a time (plus the root's small layers)."""
     from torch.distributed.fsdp import fully_shard
 
-    paths = []
-    for name, child in module.named_modules():
-        inside = any(name.startswith(f"{p}.") for p in paths)
-        if isinstance(child, nn.ModuleList) and not inside:
-            paths += [f"{name}.{index}" if name else str(index) for index in range(len(child))]
+    paths = fsdp2_units(module)
     for path in paths:
         fully_shard(module.get_submodule(path), **fully_shard_kwargs)
     fully_shard(module, **fully_shard_kwargs)

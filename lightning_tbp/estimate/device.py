@@ -1,0 +1,74 @@
+"""The device an estimate is for: how its allocator counts bytes and what its ops cost.
+
+The estimate traces on fake CPU tensors (a CPU build of torch cannot even fake every CUDA op),
+so what differs on the target device is modelled here, and nothing else:
+
+* **Allocator rounding.** CUDA's caching allocator hands out blocks in multiples of 512 bytes;
+  ``torch.cuda.max_memory_allocated`` counts the rounded sizes.
+* **Library workspace.** cuBLAS keeps one workspace per stream, allocated through the caching
+  allocator on the first matmul and kept: torch's default ``CUBLAS_WORKSPACE_CONFIG`` gives
+  ``:4096:8`` (32 MiB) on Hopper-class GPUs, which is what this constant assumes; on older GPUs
+  it is smaller, so the estimate errs high by up to ~24 MiB there. cuDNN's convolution
+  workspaces are transient and algorithm-dependent: not modelled (see docs/estimate.md).
+* **Attention.** On CPU, ``scaled_dot_product_attention`` runs a flash kernel that saves the
+  output and its log-sum-exp, not the attention matrix, as CUDA's flash and memory-efficient
+  kernels do: the traced saves carry over.
+* **Optimizers.** On CUDA torch's optimizers take their multi-tensor (``foreach``) path, whose
+  temporaries span every parameter at once (Adam's ``sqrt`` of the second moments: one copy of
+  the trainable parameters); the fake step is made to take it too.
+* **Op cost.** A roofline: an op takes the longer of its FLOPs at the device's throughput and
+  its bytes read and written at the device's bandwidth. The figures are typical *achieved*
+  rates of the device class, assumptions rather than measurements; they steer which blocks the
+  plan recomputes and the predicted recompute share, not any memory figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_tbp.remat.trace import Trace
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    name: str
+    flops_per_second: float
+    bytes_per_second: float
+    allocation_rounding: int = 1
+    library_workspace_bytes: int = 0
+    foreach_optimizers: bool = False  # torch's optimizers default to their multi-tensor path here
+
+    def fill_costs(self, trace: Trace) -> None:
+        """Give every traced op a forward and backward time (ns) from the roofline."""
+        sizes = trace.storage_bytes
+        for event in range(trace.num_events):
+            moved = sum(trace.event_partial_inputs[event].get(s, sizes[s]) for s in trace.event_inputs[event])
+            moved += sum(sizes[s] for s in trace.event_outputs[event])
+            if not trace.event_outputs[event] and not trace.event_flops[event]:
+                moved = 0  # a view: metadata only
+            forward = max(trace.event_flops[event] / self.flops_per_second, moved / self.bytes_per_second) * 1e9
+            trace.event_cost[event] = forward
+            # a backward computes the gradients of the inputs (and of the weights for heavy ops)
+            trace.event_backward_cost[event] = (2.0 if trace.event_heavy[event] else 1.0) * forward
+
+    def round_storages(self, trace: Trace) -> None:
+        """Storage sizes as the device's allocator counts them."""
+        if self.allocation_rounding > 1:
+            step = self.allocation_rounding
+            trace.storage_bytes = [-(-size // step) * step for size in trace.storage_bytes]
+
+
+#: An H100-class GPU at typical achieved rates (dense bf16 matmuls ~400 TFLOP/s, ~2.5 TB/s).
+CUDA = DeviceModel(
+    "cuda", 400e12, 2.5e12, allocation_rounding=512, library_workspace_bytes=32 * 1024**2, foreach_optimizers=True
+)
+#: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use.
+CPU = DeviceModel("cpu", 100e9, 10e9)
+
+DEVICES = {"cuda": CUDA, "cpu": CPU}
+
+
+def device_model(name: str) -> DeviceModel:
+    if name not in DEVICES:
+        raise ValueError(f"unknown device {name!r} for an estimate; choose one of {', '.join(DEVICES)}")
+    return DEVICES[name]

@@ -1,0 +1,43 @@
+"""The same training step run for real, metered exactly: what an estimate is checked against.
+
+``measure_step(build)`` builds the step with real tensors, runs one step (so the optimizer
+makes its state), then meters a second one with the exact allocator meter
+(``memory.meters``): the device total is what is held when it starts (parameters, buffers,
+optimizer state, batch) plus the metered peak. Only for steps that fit on this machine.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lightning_tbp.compat import tree_flatten
+from lightning_tbp.estimate.step import TrainingStep, _bytes, _clear_grads, _parameter_bytes
+from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
+
+
+@dataclass(frozen=True)
+class MeasuredStep:
+    held_bytes: int  # parameters, buffers, optimizer state and batch when the step starts
+    step_peak_bytes: int  # exact allocator peak of the step above that
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.held_bytes + self.step_peak_bytes
+
+
+def measure_step(build: Callable[[], TrainingStep], device: str = "cpu") -> MeasuredStep:
+    step = build()
+    step.optimizer_step(step.forward_backward)
+    _clear_grads(step)
+    parameters, seen = _parameter_bytes(step.modules, 1)
+    state = _bytes((t for o in step.optimizers for s in o.state.values() for t in state_tensors(s)), 1, seen)
+    batch = _bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
+    gc.collect()
+    with garbage_collection_held(), allocator_peak(device) as meter:
+        step.optimizer_step(step.forward_backward)
+    return MeasuredStep(sum(parameters.values()) + state + batch, meter.peak_bytes)

@@ -1,0 +1,80 @@
+"""An estimate as a readable table and as JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from lightning_tbp.estimate.step import StepEstimate
+from lightning_tbp.remat.budget import format_bytes
+
+
+def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
+    """JSON-ready: ``naive_peak_bytes``, ``fits`` (None without a device size), the plan's
+    ``predicted_peak_bytes`` and ``budget_bytes``, and every part."""
+    fit = estimate.fit
+    return {
+        "naive_peak_bytes": estimate.naive_peak_bytes,
+        "fits": None if fit is None else fit.fits_without_plan or fit.fits_with_plan,
+        "fits_without_plan": None if fit is None else fit.fits_without_plan,
+        "device_memory_bytes": None if fit is None else fit.device_memory_bytes,
+        "plan": None if fit is None else asdict(fit),
+        "minimum_device_bytes": estimate.minimum_device_bytes,
+        "minimum_plan_recompute_time_ratio": estimate.minimum_plan_recompute_time_ratio,
+        "parts": {
+            "parameter_bytes": estimate.parameter_bytes,
+            "gradient_bytes": estimate.gradient_bytes,
+            "optimizer_state_bytes": estimate.optimizer_state_bytes,
+            "activation_bytes": estimate.activation_bytes,
+            "batch_bytes": estimate.batch_bytes,
+            "library_workspace_bytes": estimate.library_workspace_bytes,
+            "communication_bytes": estimate.communication_bytes,
+            "forward_backward_peak_bytes": estimate.forward_backward_peak_bytes,
+            "optimizer_step_peak_bytes": estimate.optimizer_step_peak_bytes,
+            "target_naive_peak_bytes": estimate.target_naive_peak_bytes,
+        },
+        "trainable_parameters": estimate.trainable_parameters,
+        "target": estimate.target,
+        "device": estimate.device,
+        "layout": estimate.layout,
+        "world_size": estimate.world_size,
+        "estimate_seconds": estimate.estimate_seconds,
+    }
+
+
+def format_estimate(estimate: StepEstimate) -> str:
+    per = f" per rank ({estimate.layout}, {estimate.world_size} ranks)" if estimate.layout != "single" else ""
+    rows = [
+        *((f"parameters and buffers: {name}", size) for name, size in estimate.parameter_bytes.items() if size),
+        (f"gradients ({estimate.trainable_parameters:,} trainable parameters)", estimate.gradient_bytes),
+        ("optimizer state", estimate.optimizer_state_bytes),
+        ("activations at the step's peak", estimate.activation_bytes),
+        ("batch", estimate.batch_bytes),
+        ("library workspace", estimate.library_workspace_bytes),
+        ("communication (DDP buckets / FSDP2 gathered units)", estimate.communication_bytes),
+    ]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"tbp estimate: one training step on {estimate.device}{per}"]
+    lines += [f"  {label:<{width}}  {format_bytes(size):>12}" for label, size in rows if size]
+    lines.append(f"  {'naive peak (device total)':<{width}}  {format_bytes(estimate.naive_peak_bytes):>12}")
+    if estimate.minimum_device_bytes is not None:
+        lines.append(
+            f"  {'smallest device with a plan':<{width}}  {format_bytes(estimate.minimum_device_bytes):>12}"
+            f"  (recompute ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step)"
+        )
+    fit = estimate.fit
+    if fit is not None:
+        size = format_bytes(fit.device_memory_bytes)
+        if fit.fits_without_plan:
+            lines.append(f"fits in {size} without a plan")
+        elif fit.fits_with_plan:
+            lines.append(
+                f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "
+                f"{fit.planned_blocks} blocks recomputed, ~{fit.recompute_time_ratio:.0%} extra step time "
+                f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with "
+                f"--trainer.strategy=tiny_backprop --trainer.strategy.memory_budget={fit.device_memory_bytes}"
+            )
+        else:
+            lines.append(f"does not fit in {size}: {fit.reason}")
+    lines.append(f"(estimated in {estimate.estimate_seconds:.1f} s; what the figures model: docs/estimate.md)")
+    return "\n".join(lines)

@@ -1,0 +1,314 @@
+"""Estimate one training step's device memory without allocating it, and the plan that fits.
+
+A :class:`TrainingStep` is built by the caller's function *under fake tensors*
+(``FakeTensorMode``): parameters, optimizer, batch and loss all have shapes and storages but no
+data, so a model of any size costs this machine almost nothing. Then:
+
+1. The first step runs with the plan's profiler (``record_trace``, ``measure=False``) on the
+   target module, as the strategies profile it at their first batch; the optimizer creates its
+   state, which is then counted as it really is (any optimizer, no table of classes).
+2. A second step runs under :class:`~lightning_tbp.estimate.live_bytes.LiveBytes`: the eager
+   step's peak, its forward and backward apart from its optimizer step (the optimizer's
+   temporaries sit on top of every gradient).
+3. The planner's simulator replays the target's trace: the naive peak it predicts and, for a
+   device size, the cheapest plan that fits. Everything around the target (noise, loss, the
+   batch) is what the metered step peaked at beyond the simulated target, and is added as is.
+
+The byte figures are those of the eager step in fake tensors; what fake tensors cannot show
+(kernel workspaces, the allocator's rounding and library workspaces on CUDA) comes from the
+:class:`~lightning_tbp.estimate.device.DeviceModel`.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_tbp.compat import FakeTensor, FakeTensorMode, fake_module_conversion, tree_flatten
+from lightning_tbp.estimate.device import DeviceModel, device_model
+from lightning_tbp.estimate.layout import Layout, per_rank
+from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
+from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.remat.simulate import Simulator
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.step import step_model_for
+from lightning_tbp.remat.trace import Trace, record_trace, storage_key
+
+
+@dataclass
+class TrainingStep:
+    """What one training step is made of; built under fake tensors by the caller."""
+
+    modules: dict[str, nn.Module]
+    """Every module whose parameters and buffers sit on the device, by name (``{"model": ...,
+    "ema": ...}``); a storage shared between two is counted once, under the first."""
+    target: nn.Module
+    """The module the plan covers (its forward and backward are simulated)."""
+    batch: Any
+    forward_backward: Callable[[], Any]
+    """One forward and backward (the optimizer's closure): leaves gradients in ``.grad``."""
+    optimizer_step: Callable[[Callable[[], Any]], Any]
+    """Runs the optimizer step given the closure (and whatever follows it, an EMA update)."""
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    zero_grad: Callable[[], None] | None = None
+    layout: Layout = field(default_factory=Layout)
+    """One rank's figures under DDP or FSDP2 (``layout.py``); one device by default."""
+
+
+@dataclass
+class PlanFit:
+    """The plan for one device size, or why there is none."""
+
+    device_memory_bytes: int
+    fits_without_plan: bool
+    fits_with_plan: bool
+    budget_bytes: int | None = None  # for the planned target's step, after what is held anyway
+    predicted_peak_bytes: int | None = None  # device total under the plan
+    recompute_time_ratio: float | None = None
+    recompute_flop_ratio: float | None = None
+    planned_blocks: int = 0
+    reason: str = ""
+
+
+@dataclass
+class StepEstimate:
+    """Device bytes of one training step, in parts, and the smallest device with and without a plan."""
+
+    device: str
+    parameter_bytes: dict[str, int]
+    trainable_parameters: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    batch_bytes: int
+    library_workspace_bytes: int
+    forward_backward_peak_bytes: int  # above what is held: activations, gradients, the loss
+    optimizer_step_peak_bytes: int  # above what is held, gradients included
+    target: str
+    target_naive_peak_bytes: int  # the simulator's, of the target's forward and backward
+    minimum_device_bytes: int | None  # with the lowest plan (None: not computed)
+    minimum_plan_recompute_time_ratio: float | None
+    estimate_seconds: float
+    step_model: str = "plain"
+    layout: str = "single"
+    world_size: int = 1
+    communication_bytes: int = 0  # DDP's gradient buckets (held); FSDP2's gathered units (in the step)
+    fit: PlanFit | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def held_bytes(self) -> int:
+        """On the device outside the step: parameters, optimizer state, batch, library workspace."""
+        buckets = self.communication_bytes if self.layout == "ddp" else 0
+        return (
+            sum(self.parameter_bytes.values())
+            + self.optimizer_state_bytes
+            + self.batch_bytes
+            + self.library_workspace_bytes
+            + buckets
+        )
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(0, self.forward_backward_peak_bytes - self.gradient_bytes)
+
+    @property
+    def naive_peak_bytes(self) -> int:
+        return self.held_bytes + max(self.forward_backward_peak_bytes, self.optimizer_step_peak_bytes)
+
+    @property
+    def around_target_bytes(self) -> int:
+        """What the step holds at its peak beyond the target's own (noise, loss, the model's other parts)."""
+        return max(0, self.forward_backward_peak_bytes - self.target_naive_peak_bytes)
+
+
+def estimate_step(
+    build: Callable[[], TrainingStep],
+    *,
+    device: str | DeviceModel = "cuda",
+    device_memory: int | None = None,
+    minimum: bool = True,
+) -> StepEstimate:
+    """Estimate the training step that ``build`` makes (called under fake tensors).
+
+    ``device_memory``: bytes of the device to fit; the estimate then says whether the step fits
+    as is, and otherwise the plan that fits (or why none does). ``minimum``: also find the
+    smallest device the lowest plan fits in (a solver run at an infeasible budget; seconds on
+    models with hundreds of blocks)."""
+    model = device_model(device) if isinstance(device, str) else device
+    started = time.perf_counter()
+    traces: list[Trace] = []
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        with warnings.catch_warnings(), fake_module_conversion():
+            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # torch's own deepcopy
+            step = build()
+        for module in step.modules.values():
+            _adopt_copies(module, mode)
+        if model.foreach_optimizers:
+            for optimizer in step.optimizers:
+                for group in optimizer.param_groups:
+                    if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                        group["foreach"] = True  # what torch picks on CUDA; on CPU it loops per parameter
+
+        def profile(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if not traces and torch.is_grad_enabled():
+                traces.append(record_trace(module, args, kwargs, inside_call=True, measure=False))
+
+        handle = step.target.register_forward_pre_hook(profile, with_kwargs=True)
+        try:
+            step.optimizer_step(step.forward_backward)
+        finally:
+            handle.remove()
+        if not traces:
+            raise RuntimeError(
+                f"the training step never called its target {type(step.target).__name__} with gradients enabled: "
+                "nothing to estimate (is target= the module the loss is computed through?)"
+            )
+        parameter_bytes, seen = _parameter_bytes(step.modules, model.allocation_rounding)
+        optimizer_state = _bytes(
+            (t for opt in step.optimizers for state in opt.state.values() for t in state_tensors(state)),
+            model.allocation_rounding,
+            seen,
+        )
+        batch = (t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor))
+        batch_bytes = _bytes(batch, model.allocation_rounding, seen)
+        trainable = [p for m in step.modules.values() for p in m.parameters() if p.requires_grad]
+        gradient_bytes = _bytes(trainable, model.allocation_rounding, set())
+        _clear_grads(step)
+        gc.collect()
+        with LiveBytes(model.allocation_rounding) as meter:
+            phases: dict[str, int] = {}
+
+            def metered_closure() -> Any:
+                result = step.forward_backward()
+                phases["forward_backward"] = meter.peak
+                meter.reset_peak()
+                return result
+
+            step.optimizer_step(metered_closure)
+            phases["optimizer_step"] = meter.peak
+        step_model = step_model_for(step.target)
+    trace = traces[0]
+    model.round_storages(trace)
+    model.fill_costs(trace)
+    solver = Solver(Simulator(trace, step_model), selective=step_model.backward_passes == 1)
+    target_naive = solver.naive().peak_bytes
+    estimate = StepEstimate(
+        device=model.name,
+        parameter_bytes=parameter_bytes,
+        trainable_parameters=sum(p.numel() for p in {id(p): p for p in trainable}.values()),
+        gradient_bytes=gradient_bytes,
+        optimizer_state_bytes=optimizer_state,
+        batch_bytes=batch_bytes,
+        library_workspace_bytes=model.library_workspace_bytes,
+        forward_backward_peak_bytes=phases["forward_backward"],
+        optimizer_step_peak_bytes=phases["optimizer_step"],
+        target=type(step.target).__name__,
+        target_naive_peak_bytes=target_naive,
+        minimum_device_bytes=None,
+        minimum_plan_recompute_time_ratio=None,
+        estimate_seconds=0.0,
+        step_model=step_model.name,
+    )
+    per_rank(estimate, step.layout, step.target)
+    if minimum:
+        _find_minimum(estimate, solver)
+    if device_memory is not None:
+        estimate.fit = _fit(estimate, solver, trace, device_memory)
+    estimate.estimate_seconds = time.perf_counter() - started
+    return estimate
+
+
+def _adopt_copies(module: nn.Module, mode: FakeTensorMode) -> None:
+    """Bring tensors of a deep-copied module (an EMA copy) into ``mode``.
+
+    In torch 2.13 ``copy.deepcopy`` of a module made under a fake mode gives parameters of a
+    *new* fake mode, and ops refuse to mix modes. Such a tensor is replaced by an empty one of
+    the same size in ``mode``: only its bytes matter here."""
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, tensor in table.items():
+                if isinstance(tensor, FakeTensor) and tensor.fake_mode is not mode:
+                    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
+                    table[name] = nn.Parameter(fresh, tensor.requires_grad) if name in sub._parameters else fresh
+
+
+def _bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
+    """Bytes of the storages of ``tensors`` not in ``seen`` (which it extends), each rounded."""
+    total = 0
+    for tensor in tensors:
+        key = storage_key(tensor)
+        if key is not None and key not in seen:
+            seen.add(key)
+            total += rounded(tensor.untyped_storage().nbytes(), rounding)
+    return total
+
+
+def _parameter_bytes(modules: dict[str, nn.Module], rounding: int) -> tuple[dict[str, int], set[int]]:
+    seen: set[int] = set()
+    sizes = {
+        name: _bytes([*module.parameters(), *module.buffers()], rounding, seen) for name, module in modules.items()
+    }
+    return sizes, seen
+
+
+def _clear_grads(step: TrainingStep) -> None:
+    if step.zero_grad is not None:
+        step.zero_grad()
+    for optimizer in step.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+
+
+def _step_ns(trace: Trace, passes: int) -> float:
+    return sum(trace.event_cost) + passes * sum(trace.event_backward_cost)
+
+
+def _plan_ratios(solver: Solver, result: Any) -> tuple[float, float]:
+    trace = solver.sim.trace
+    time_ratio = result.recompute_cost / max(_step_ns(trace, solver.sim.backward_passes), 1.0)
+    flop_ratio = result.recompute_flops / max(3 * sum(trace.event_flops), 1)
+    return time_ratio, flop_ratio
+
+
+def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:
+    """The smallest device the lowest plan fits in, and what that plan recomputes."""
+    try:
+        solution = solver.solve(1)
+    except InfeasibleBudgetError as error:
+        solution = solver.solve(error.minimum_budget_bytes)
+        step_bytes = estimate.around_target_bytes + error.minimum_budget_bytes
+    else:  # nothing to plan: the step is what it is
+        step_bytes = estimate.around_target_bytes + solution.result.peak_bytes
+    estimate.minimum_device_bytes = estimate.held_bytes + max(step_bytes, estimate.optimizer_step_peak_bytes)
+    estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, solution.result)[0]
+
+
+def _fit(estimate: StepEstimate, solver: Solver, trace: Trace, device_memory: int) -> PlanFit:
+    fit = PlanFit(device_memory, fits_without_plan=estimate.naive_peak_bytes <= device_memory, fits_with_plan=False)
+    if estimate.held_bytes + estimate.optimizer_step_peak_bytes > device_memory:
+        fit.reason = (
+            "the optimizer step alone does not fit (parameters, gradients, optimizer state and its temporaries): "
+            "no activation plan helps; shard the model (FSDP2), train fewer parameters (LoRA) or use a "
+            "larger device"
+        )
+        return fit
+    fit.budget_bytes = device_memory - estimate.held_bytes - estimate.around_target_bytes
+    try:
+        solution = solver.solve(fit.budget_bytes)
+    except InfeasibleBudgetError as error:
+        fit.reason = f"no plan fits: {error}"
+        return fit
+    fit.fits_with_plan = True
+    planned = solution.result
+    fit.predicted_peak_bytes = estimate.held_bytes + max(
+        estimate.around_target_bytes + planned.peak_bytes, estimate.optimizer_step_peak_bytes
+    )
+    fit.recompute_time_ratio, fit.recompute_flop_ratio = _plan_ratios(solver, planned)
+    fit.planned_blocks = sum(1 for option in solution.options[1:] if option)
+    return fit

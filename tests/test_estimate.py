@@ -1,0 +1,204 @@
+"""``tbp estimate``: one training step's device memory from fake tensors, against exact CPU peaks.
+
+The estimate never allocates the model or its activations; these tests hold it to what the same
+step really allocates on this machine (the exact CPU allocator meter), on the recipes' module,
+on zoo architectures it was not built around, with LoRA and EMA, and check the plan it proposes
+for a device size by running that plan.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_tbp.cli import main
+from lightning_tbp.diffusion import DiffusionModule
+from lightning_tbp.diffusion.models import small_unet_config
+from lightning_tbp.estimate import (
+    CPU,
+    CUDA,
+    EstimateConfigError,
+    Layout,
+    TrainingStep,
+    estimate_config,
+    estimate_step,
+    lightning_step,
+    measure_step,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from zoo_models import ZOO
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 0.05  # the issue's promise: the naive peak within 5% of the exact measured one
+
+
+def _diffusion_step(precision: str = "32-true", **module_options: object):
+    def build() -> TrainingStep:
+        torch.manual_seed(0)
+        module = DiffusionModule(model_config=small_unet_config(16, 1), compute_flops=False, **module_options)
+        batch = {"images": torch.zeros(16, 1, 16, 16), "labels": torch.zeros(16, dtype=torch.long)}
+        return lightning_step(module, batch, precision=precision)
+
+    return build
+
+
+def _zoo_step(name: str):
+    def build() -> TrainingStep:
+        case = ZOO[name].case(batch=2)
+        optimizer = torch.optim.AdamW(case.model.parameters(), lr=1e-4)
+
+        def forward_backward() -> torch.Tensor:
+            loss = case.loss()
+            loss.backward()
+            return loss
+
+        return TrainingStep({"model": case.model}, case.model, case.args, forward_backward, optimizer.step, [optimizer])
+
+    return build
+
+
+def _assert_close(build, **estimate_options: object) -> None:
+    estimate = estimate_step(build, device=CPU, minimum=False, **estimate_options)
+    measured = measure_step(build)
+    ratio = estimate.naive_peak_bytes / measured.peak_bytes
+    assert abs(ratio - 1) <= TOLERANCE, (estimate.naive_peak_bytes, measured.peak_bytes, ratio)
+
+
+@pytest.mark.parametrize(
+    ("precision", "options"),
+    [("32-true", {"ema_decay": 0.99}), ("bf16-mixed", {}), ("32-true", {"lora_rank": 4})],
+    ids=["fp32-ema", "bf16-mixed", "lora"],
+)
+def test_recipe_module_naive_peak_within_five_percent(precision: str, options: dict) -> None:
+    _assert_close(_diffusion_step(precision, **options))
+
+
+@pytest.mark.parametrize("name", ["sdxl_unet", "dit", "flux", "cogvideox"])
+def test_zoo_naive_peak_within_five_percent(name: str) -> None:
+    _assert_close(_zoo_step(name))
+
+
+def test_nothing_is_allocated_for_a_model_larger_than_this_machine_holds_cheaply() -> None:
+    """A DiT-XL-size transformer (675M parameters: 10.8 GB of weights, gradients and AdamW state
+    in fp32) is estimated while the process grows by far less than its weights alone."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def build() -> TrainingStep:
+        from diffusers import DiTTransformer2DModel
+
+        model = DiTTransformer2DModel(
+            num_attention_heads=16, attention_head_dim=72, num_layers=28, sample_size=32, patch_size=8,
+            in_channels=4, out_channels=8,
+        )  # fmt: skip
+        x = torch.zeros(4, 4, 32, 32)
+        labels = torch.zeros(4, dtype=torch.long)
+        optimizer = torch.optim.AdamW(model.parameters())
+
+        def forward_backward() -> torch.Tensor:
+            loss = model(x, timestep=labels, class_labels=labels).sample.square().mean()
+            loss.backward()
+            return loss
+
+        return TrainingStep({"model": model}, model, x, forward_backward, optimizer.step, [optimizer])
+
+    estimate = estimate_step(build, device=CUDA, minimum=False)
+    grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    weights = estimate.parameter_bytes["model"]
+    assert weights > 2.5e9
+    assert estimate.optimizer_state_bytes >= 2 * weights
+    assert grown < weights / 4, grown
+
+
+def test_cuda_model_rounds_blocks_and_adds_the_cublas_workspace() -> None:
+    cpu = estimate_step(_diffusion_step(), device=CPU, minimum=False)
+    cuda = estimate_step(_diffusion_step(), device=CUDA, minimum=False)
+    assert cuda.library_workspace_bytes == CUDA.library_workspace_bytes
+    assert cuda.naive_peak_bytes >= cpu.naive_peak_bytes + CUDA.library_workspace_bytes
+
+
+def test_a_device_between_the_lowest_plan_and_naive_fits_with_a_plan_that_keeps_its_word() -> None:
+    """The plan proposed for a device size is installed and run: its measured step stays inside."""
+    from lightning_tbp import Plan
+
+    build = _diffusion_step()
+    estimate = estimate_step(build, device=CPU)
+    assert estimate.minimum_device_bytes < estimate.naive_peak_bytes
+    size = (estimate.minimum_device_bytes + estimate.naive_peak_bytes) // 2
+    fitted = estimate_step(build, device=CPU, device_memory=size, minimum=False).fit
+    assert fitted is not None and fitted.fits_with_plan and not fitted.fits_without_plan
+    assert fitted.predicted_peak_bytes <= size
+    below = estimate_step(build, device=CPU, device_memory=estimate.minimum_device_bytes // 2, minimum=False).fit
+    assert below is not None and not below.fits_with_plan and below.reason
+
+    step = build()  # real tensors: plan the target at the step budget the estimate solved for
+    plan = Plan(step.target, fitted.budget_bytes)  # plans at the target's first forward
+    try:
+        step.optimizer_step(step.forward_backward)  # plans at the first call, makes optimizer state
+        measured = measure_step(lambda: step)
+    finally:
+        plan.remove()
+    assert measured.peak_bytes <= size, (measured.peak_bytes, size)
+
+
+def test_fsdp2_and_ddp_layouts_per_rank() -> None:
+    build = _diffusion_step()
+    one = estimate_step(build, device=CPU, minimum=False)
+
+    def on(layout: Layout):
+        def laid_out() -> TrainingStep:
+            step = build()
+            step.layout = layout
+            return step
+
+        return estimate_step(laid_out, device=CPU, minimum=False)
+
+    ddp = on(Layout("ddp", 4))
+    assert ddp.held_bytes == one.held_bytes + one.gradient_bytes  # the gradient buckets
+    fsdp = on(Layout("fsdp2", 4))
+    assert fsdp.optimizer_state_bytes < one.optimizer_state_bytes / 3
+    assert sum(fsdp.parameter_bytes.values()) < sum(one.parameter_bytes.values())
+    with pytest.raises(ValueError, match="unknown layout"):
+        Layout("tp", 2)
+
+
+def test_cli_estimates_the_main_job_config_and_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "estimate.json"
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    assert main(["estimate", "-c", config, "--device", "cpu", "--device-memory", "60MiB", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["fits"] is True and record["fits_without_plan"] is False
+    assert record["plan"]["predicted_peak_bytes"] <= 60 * 1024**2
+    assert record["naive_peak_bytes"] > 60 * 1024**2
+    assert "fits in 60.00 MiB with a plan" in capsys.readouterr().out
+
+
+def test_cli_override_changes_the_estimate(tmp_path: Path) -> None:
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    small = estimate_config(["-c", config], device="cpu", minimum=False)
+    large = estimate_config(["-c", config, "--data.init_args.batch_size=128"], device="cpu", minimum=False)
+    assert large.activation_bytes > 1.5 * small.activation_bytes
+
+
+def test_cli_refuses_dp_and_datamodules_without_an_example_batch(capsys: pytest.CaptureFixture) -> None:
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    assert (
+        main(
+            [
+                "estimate",
+                "-c",
+                config,
+                "--trainer.strategy.init_args.dp=ghost",
+                "--trainer.strategy.init_args.noise_multiplier=1.0",
+            ]
+        )
+        == 2
+    )
+    assert "DP steps are not estimated" in capsys.readouterr().err
+    with pytest.raises(EstimateConfigError, match="example_batch"):
+        estimate_config(["-c", config, "--data=lightning.pytorch.demos.boring_classes.BoringDataModule"], minimum=False)

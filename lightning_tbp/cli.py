@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -83,15 +84,19 @@ def run_lightning_cli(argv: Sequence[str] | None = None, *, run: bool = True) ->
     ``argv=None`` reads ``sys.argv`` (the console script); a list runs from Python (tests).
     ``run=False``: build the Trainer, module and datamodule from the config (no subcommand) and stop.
     """
-    return LightningCLI(
-        L.LightningModule,
-        L.LightningDataModule,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        args=None if argv is None else list(argv),
-        save_config_kwargs={"overwrite": True},
-        run=run,
-    )
+    with warnings.catch_warnings():
+        # ``tbp estimate ARGS`` hands LightningCLI the words after its own subcommand, which
+        # ``sys.argv`` also holds: Lightning's warning against giving both does not apply.
+        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
+        return LightningCLI(
+            L.LightningModule,
+            L.LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=None if argv is None else list(argv),
+            save_config_kwargs={"overwrite": True},
+            run=run,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

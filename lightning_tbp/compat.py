@@ -68,14 +68,21 @@ def conv_explicit_padding(module: torch.nn.Module) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def fake_module_conversion() -> Iterator[None]:
-    """Let ``Module.to(dtype)`` convert parameters that are fake tensors (``tbp estimate``).
+def fake_module_support() -> Iterator[None]:
+    """Let fake modules (``tbp estimate``) be converted with ``Module.to(dtype)`` and deep-copied.
 
-    torch 2.13's ``Module._apply`` swaps a fake parameter with its converted copy through
-    ``torch.utils.swap_tensors``, which refuses fake tensors (their fake mode holds weak
-    references to them), so Lightning's ``bf16-true`` conversion or peft adding LoRA adapters
-    fail on a fake model. Inside this context a fake parameter takes the converted data instead:
-    its identity, which is what the swap preserves, stays."""
+    Two gaps of torch 2.13 fake tensors, closed for the duration of the context:
+
+    - ``Module._apply`` swaps a fake parameter with its converted copy through
+      ``torch.utils.swap_tensors``, which refuses fake tensors (their fake mode holds weak
+      references to them), so Lightning's ``bf16-true`` conversion or peft adding LoRA adapters
+      fail on a fake model. Here a fake parameter takes the converted data instead: its
+      identity, which is what the swap preserves, stays.
+    - ``copy.deepcopy`` of a fake tensor (an EMA copy of a fake model) takes ``Tensor.__deepcopy__``'s
+      storage path, which copies the fake storage's bytes through a data pointer it does not
+      have: the process's heap is corrupted and crashes later, in an unrelated garbage
+      collection. Here the copy is a fresh fake tensor of the same size, dtype and strides in
+      the active fake mode (a fake copy has no values to keep)."""
     swap = torch.utils.swap_tensors
 
     def swap_or_set_data(t1: torch.Tensor, t2: torch.Tensor) -> None:
@@ -85,8 +92,20 @@ def fake_module_conversion() -> Iterator[None]:
         with torch.no_grad():
             t1.data = t2.data
 
+    def fresh_copy(tensor: FakeTensor, memo: dict[int, Any]) -> torch.Tensor:
+        if id(tensor) not in memo:
+            copy = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device)
+            if getattr(tensor, "_is_param", False):
+                copy = torch.nn.Parameter(copy, tensor.requires_grad)
+            else:
+                copy.requires_grad_(tensor.requires_grad)
+            memo[id(tensor)] = copy
+        return memo[id(tensor)]
+
     torch.utils.swap_tensors = swap_or_set_data
+    FakeTensor.__deepcopy__ = fresh_copy
     try:
         yield
     finally:
         torch.utils.swap_tensors = swap
+        del FakeTensor.__deepcopy__

@@ -6,6 +6,8 @@ a DP step.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -76,18 +78,31 @@ def test_conv_layers_run_with_a_given_weight_and_report_their_explicit_padding()
     torch.testing.assert_close(F.conv2d(padded, conv.weight, conv.bias), conv(x))
 
 
-def test_fake_tensors_have_storages_and_fake_modules_convert_dtype() -> None:
+def test_fake_tensors_have_storages_and_fake_modules_convert_dtype_and_deep_copy() -> None:
     """``tbp estimate`` relies on fake tensors' storages (views share one) and, inside
-    ``fake_module_conversion``, on ``Module.to(dtype)`` keeping each fake parameter's identity."""
+    ``fake_module_support``, on ``Module.to(dtype)`` keeping each fake parameter's identity and
+    on ``copy.deepcopy`` of a fake module (an EMA copy) giving new storages in the same mode."""
     with compat.FakeTensorMode():
         layer = nn.Linear(3, 3)
         weight = layer.weight
         assert isinstance(weight, compat.FakeTensor)
         assert weight.view(-1).untyped_storage()._cdata == weight.untyped_storage()._cdata
-        with compat.fake_module_conversion():
+        with compat.fake_module_support():
             layer.to(torch.bfloat16)
         assert layer.weight is weight and weight.dtype == torch.bfloat16 and weight.requires_grad
+    with compat.FakeTensorMode() as mode:
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        with compat.fake_module_support():
+            twin = copy.deepcopy(model)
+        for original, copied in zip(model.state_dict().values(), twin.state_dict().values(), strict=True):
+            assert isinstance(copied, compat.FakeTensor) and copied.fake_mode is mode
+            assert copied.untyped_storage()._cdata != original.untyped_storage()._cdata
+            assert (copied.shape, copied.stride(), copied.dtype) == (original.shape, original.stride(), original.dtype)
+        assert all(isinstance(p, nn.Parameter) and p.requires_grad for p in twin.parameters())
+        assert not any(isinstance(b, nn.Parameter) for b in twin.buffers())
+        twin(torch.randn(2, 3)).sum().backward()  # tensors of one mode mix
+    assert not hasattr(compat.FakeTensor, "__deepcopy__") or compat.FakeTensor.__deepcopy__ is torch.Tensor.__deepcopy__
     swapped_a, swapped_b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.ones(2))
-    with compat.fake_module_conversion():
+    with compat.fake_module_support():
         torch.utils.swap_tensors(swapped_a, swapped_b)  # real tensors still swap
-    assert float(swapped_a.sum()) == 2.0
+    assert float(swapped_a.detach().sum()) == 2.0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tbp.compat import FakeTensor, FakeTensorMode, fake_module_conversion, tree_flatten
+from lightning_tbp.compat import FakeTensorMode, fake_module_support, tree_flatten
 from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
@@ -144,12 +143,9 @@ def estimate_step(
     model = device_model(device) if isinstance(device, str) else device
     started = time.perf_counter()
     traces: list[Trace] = []
-    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
-        with warnings.catch_warnings(), fake_module_conversion():
-            warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")  # torch's own deepcopy
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        with fake_module_support():
             step = build()
-        for module in step.modules.values():
-            _adopt_copies(module, mode)
         if model.foreach_optimizers:
             for optimizer in step.optimizers:
                 for group in optimizer.param_groups:
@@ -223,20 +219,6 @@ def estimate_step(
         estimate.fit = _fit(estimate, solver, trace, device_memory)
     estimate.estimate_seconds = time.perf_counter() - started
     return estimate
-
-
-def _adopt_copies(module: nn.Module, mode: FakeTensorMode) -> None:
-    """Bring tensors of a deep-copied module (an EMA copy) into ``mode``.
-
-    In torch 2.13 ``copy.deepcopy`` of a module made under a fake mode gives parameters of a
-    *new* fake mode, and ops refuse to mix modes. Such a tensor is replaced by an empty one of
-    the same size in ``mode``: only its bytes matter here."""
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, tensor in table.items():
-                if isinstance(tensor, FakeTensor) and tensor.fake_mode is not mode:
-                    fresh = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
-                    table[name] = nn.Parameter(fresh, tensor.requires_grad) if name in sub._parameters else fresh
 
 
 def _bytes(tensors: Any, rounding: int, seen: set[int]) -> int:

@@ -164,3 +164,37 @@ def test_lora_options_are_checked() -> None:
         DiffusionModule(model_config=TINY_UNET, lora_alpha=4)
     with pytest.raises(ValueError, match="positive integer"):
         LoraOptions(rank=0)
+
+
+def test_a_layer_with_adapters_is_one_layer_to_the_planner() -> None:
+    """peft wraps each adapted Linear in a module with submodules (base layer, adapter dicts);
+    the planner's candidate blocks stay those of the plain model, and a plan on the adapted
+    model trains its adapters exactly."""
+    from lightning_tbp import rematerialize
+    from lightning_tbp.remat.trace import candidate_modules
+
+    torch.manual_seed(0)
+    model = tiny_cond_unet()
+    plain = sorted(candidate_modules(model).values())
+    add_lora(model, LoraOptions(4, target_modules=("to_q", "to_k", "to_v", "to_out.0")))
+    adapted = sorted(candidate_modules(model).values())
+    assert adapted == plain and any("lora_A" in name for name, _ in model.named_modules())
+
+    x, t, text = torch.randn(2, 4, 16, 16), torch.tensor([3, 7]), torch.randn(2, 5, 32)
+    for p in model.parameters():  # adapters start at zero (lora_B): make their gradients non-trivial
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.05)
+
+    def adapter_grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(x, t, encoder_hidden_states=text).sample.square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    reference = adapter_grads()
+    plan = rematerialize(model, x, t, memory_budget=0.6, encoder_hidden_states=text)
+    assert plan.current is not None and plan.current.options
+    planned = adapter_grads()
+    plan.remove()
+    assert reference.keys() == planned.keys() and reference
+    for name in reference:
+        torch.testing.assert_close(planned[name], reference[name], rtol=1e-6, atol=1e-7, msg=name)

@@ -36,7 +36,7 @@ from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import state_tensors
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace, storage_key
 
@@ -259,16 +259,16 @@ def _plan_ratios(solver: Solver, result: Any) -> tuple[float, float]:
 
 
 def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:
-    """The smallest device the lowest plan fits in, and what that plan recomputes."""
-    try:
-        solution = solver.solve(1)
-    except InfeasibleBudgetError as error:
-        solution = solver.solve(error.minimum_budget_bytes)
-        step_bytes = estimate.around_target_bytes + error.minimum_budget_bytes
-    else:  # nothing to plan: the step is what it is
-        step_bytes = estimate.around_target_bytes + solution.result.peak_bytes
+    """The smallest device the lowest plan fits in, and what that plan recomputes.
+
+    The lowest plan is the one ``Solver.lowest`` finds (descents that rank moves by bytes alone):
+    the same plan the planner falls back to at that budget, so the device size named here is
+    one a plan really reaches. Its recomputation is the cost-blind plan's (an upper bound: the
+    planner, given that budget, may find a cheaper plan of the same peak)."""
+    lowest = solver.lowest(0)[1]  # no plan fits 0 bytes: the plan of the lowest peak
+    step_bytes = estimate.around_target_bytes + min(solver.naive().peak_bytes, budget_for_peak(lowest.peak_bytes))
     estimate.minimum_device_bytes = estimate.held_bytes + max(step_bytes, estimate.optimizer_step_peak_bytes)
-    estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, solution.result)[0]
+    estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, lowest)[0]
 
 
 def _fit(estimate: StepEstimate, solver: Solver, trace: Trace, device_memory: int) -> PlanFit:

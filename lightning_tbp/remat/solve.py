@@ -54,13 +54,18 @@ _LAMBDAS = tuple(10 ** (k / 8) for k in range(-40, 33))
 PLANNING_MARGIN = 0.05
 
 
+def budget_for_peak(peak_bytes: int) -> int:
+    """The smallest budget a plan predicted to peak at ``peak_bytes`` is chosen for (the margin added)."""
+    return math.ceil(peak_bytes / (1 - PLANNING_MARGIN))
+
+
 class InfeasibleBudgetError(ValueError):
     """The memory budget is below the smallest peak any plan reaches."""
 
     def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int) -> None:
         from lightning_tbp.remat.budget import format_bytes
 
-        minimum = math.ceil(minimum_peak_bytes / (1 - PLANNING_MARGIN))
+        minimum = budget_for_peak(minimum_peak_bytes)
         self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
         super().__init__(
             f"memory budget {format_bytes(budget_bytes)} is below the minimum feasible budget "
@@ -171,9 +176,13 @@ class Solver:
         depend only on the (deterministic) memory model, so the minimum they name is reached again
         when the user retries with that budget. One descent is path dependent (a ControlNet
         stalled at 0.62 of naive from the plain model, while 0.47 is reachable), so one starts
-        from the plain model and one from each uniform plan, and the lowest wins.
+        from the plain model and one from each of the two uniform plans with the lowest peaks,
+        and the lowest wins. On the eleven zoo architectures, descents from every uniform plan
+        reached no floor more than 0.05% below these three's; on an SDXL U-Net at 1024² (11k ops)
+        a descent from the plain model costs ~10 s, from a low uniform plan 1-3 s.
         """
-        starts = [([Option.KEEP] * len(self.nodes), self.naive()), *self.uniform_plans()]
+        uniform = sorted({tuple(o): (o, r) for o, r in self.uniform_plans()}.values(), key=lambda p: p[1].peak_bytes)
+        starts = [([Option.KEEP] * len(self.nodes), self.naive()), *uniform[:2]]
         ends = [self.greedy(options, result, target_bytes, cost_blind=True) for options, result in starts]
         fitting = [end for end in ends if end[1].peak_bytes <= target_bytes]
         if fitting:

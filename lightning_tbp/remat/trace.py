@@ -18,6 +18,7 @@ The simulator replays this trace under any plan, so the trace is all the planner
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import weakref
 from collections import Counter
@@ -298,13 +299,23 @@ def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
 
     Leaf layers (a single Linear, Conv or norm) are not blocks: checkpointing one saves almost
     nothing. Their parents (a ResNet block, an attention block, a transformer block) are the
-    finest granularity; inside them the planner chooses selective recomputation instead.
+    finest granularity; inside them the planner chooses selective recomputation instead. A layer
+    with adapters (peft's LoRA ``Linear`` holds its base layer and adapters as submodules) is
+    still one layer: on an SDXL U-Net with LoRA such layers would otherwise be 560 of 952
+    candidates, each a replay branch for the solver and none worth a checkpoint of its own.
     """
+    layers = _adapter_layer_types()
     return {
         sub: name
         for name, sub in module.named_modules()
-        if name and any(True for _ in sub.children()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict))
+        if name and any(True for _ in sub.children()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict, *layers))
     }
+
+
+def _adapter_layer_types() -> tuple[type, ...]:
+    """peft's adapter-wrapped layer class, if peft is in use (if it was never imported, no module is one)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return (tuners.BaseTunerLayer,) if tuners is not None else ()
 
 
 @contextlib.contextmanager

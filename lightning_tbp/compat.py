@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: 
 # Fake tensors: tensors with shapes, dtypes and storages but no data, so ``tbp estimate`` runs a
 # whole training step of a model that would not fit in this machine's memory. torch documents
 # them (``torch._subclasses.fake_tensor``) but keeps them in a private module.
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: F401  # isort: skip
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily  # noqa: F401  # isort: skip
 
 # Device type constants of the profiler's memory events (the exact CPU meter filters on them).
 from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
@@ -48,8 +48,26 @@ def op_schema(op: OpOverload) -> Any:
 
 
 def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way."""
+    """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way.
+
+    A fake tensor (``tbp estimate``) is already a subclass instance, which ``_make_subclass``
+    refuses to re-type: the leaf is then made over a meta tensor of the same layout (made outside
+    the fake mode), with no storage to share; callers keep ``data`` itself for the values."""
+    if isinstance(data, FakeTensor):
+        with unset_fake_temporarily():
+            data = torch.empty_strided(data.shape, data.stride(), dtype=data.dtype, device="meta")
     return torch.Tensor._make_subclass(cls, data, requires_grad)
+
+
+def storage_key(tensor: torch.Tensor) -> int | None:
+    """An identity of the storage behind ``tensor`` (views share it), None for storage-less tensors.
+
+    ``untyped_storage()._cdata`` is the address of the C++ storage object: unlike
+    ``data_ptr()`` it is defined for fake tensors, which have no data."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, ...)
+        return None
 
 
 def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:

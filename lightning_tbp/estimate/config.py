@@ -50,18 +50,20 @@ def estimate_config(
     def build() -> TrainingStep:
         cli = run_lightning_cli(args, run=False)
         trainer, module, data = cli.trainer, cli.model, cli.datamodule
-        if getattr(trainer.strategy, "privacy", None) is not None:
-            raise EstimateConfigError(
-                "DP steps are not estimated yet: the privacy engine's tracked parameters cannot be fake tensors; "
-                "estimate without dp="
-            )
         if data is None or not hasattr(data, "example_batch"):
             raise EstimateConfigError(
                 f"the datamodule {type(data).__name__} has no example_batch() method: an estimate needs a training "
                 "batch's shapes without reading data (the recipes' datamodules have one)"
             )
         target = getattr(trainer.strategy, "target", None)
-        step = lightning_step(module, data.example_batch(), precision=trainer.precision, target=target)
+        privacy = getattr(trainer.strategy, "privacy", None)
+        step = lightning_step(
+            module,
+            data.example_batch(),
+            precision=trainer.precision,
+            target=target,
+            privacy=None if privacy is None else privacy.config,
+        )
         step.layout = layout_of(trainer)
         return step
 

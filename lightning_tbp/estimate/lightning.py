@@ -9,6 +9,7 @@ tensors.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -18,7 +19,9 @@ import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 
 from lightning_tbp.estimate.step import TrainingStep
+from lightning_tbp.privacy import attach
 from lightning_tbp.strategies.common import default_target
+from lightning_tbp.strategies.privacy import PrivacyConfig, per_sample_losses
 
 
 def precision_plugin(precision: str | int) -> Precision:
@@ -66,20 +69,31 @@ def lightning_step(
     *,
     precision: str | int = "32-true",
     target: str | None = None,
+    privacy: PrivacyConfig | None = None,
 ) -> TrainingStep:
-    """The training step of ``module`` on ``batch`` (both built under fake tensors)."""
+    """The training step of ``module`` on ``batch`` (both built under fake tensors).
+
+    ``privacy``: a DP strategy's options. The engine is attached to the module as the strategy
+    attaches it, ``training_step`` returns the per-sample loss, and the engine's backward (its
+    passes, book and noise) replaces ``loss.backward()``."""
     plugin = precision_plugin(precision)
     module = plugin.convert_module(module)
     batch = plugin.convert_input(batch)
     optimizer = the_optimizer(module.configure_optimizers())
     planned = module.get_submodule(target) if target else default_target(module)[0]
+    # any noise multiplier but 0 draws the noise (its transient counts); its value changes no byte
+    engine = attach(module, privacy.mode, privacy.max_grad_norm, 1.0) if privacy is not None else None
 
     def forward_backward() -> torch.Tensor:
-        with warnings.catch_warnings(), plugin.train_step_context():
+        per_sample = per_sample_losses() if engine is not None else contextlib.nullcontext()
+        with warnings.catch_warnings(), plugin.train_step_context(), per_sample:
             warnings.filterwarnings("ignore", message=".*self.log.*")  # there is no Trainer to log to
             output = module.training_step(batch, 0)
         loss = output["loss"] if isinstance(output, Mapping) else output
-        loss.backward()
+        if engine is None:
+            loss.backward()
+        else:
+            engine.backward(loss)
         return loss
 
     def optimizer_step(closure: Any) -> None:

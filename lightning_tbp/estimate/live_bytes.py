@@ -18,8 +18,7 @@ import weakref
 
 import torch
 
-from lightning_tbp.compat import TorchDispatchMode, tree_flatten
-from lightning_tbp.remat.trace import storage_key
+from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten
 
 
 def rounded(nbytes: int, rounding: int) -> int:

@@ -35,6 +35,7 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         },
         "trainable_parameters": estimate.trainable_parameters,
         "target": estimate.target,
+        "step_model": estimate.step_model,
         "device": estimate.device,
         "layout": estimate.layout,
         "world_size": estimate.world_size,
@@ -54,13 +55,14 @@ def format_estimate(estimate: StepEstimate) -> str:
         ("communication (DDP buckets / FSDP2 gathered units)", estimate.communication_bytes),
     ]
     width = max(len(label) for label, _ in rows)
-    lines = [f"tbp estimate: one training step on {estimate.device}{per}"]
+    step = "" if estimate.step_model == "plain" else f", {estimate.step_model} (the DP engine's backward)"
+    lines = [f"tbp estimate: one training step on {estimate.device}{per}{step}"]
     lines += [f"  {label:<{width}}  {format_bytes(size):>12}" for label, size in rows if size]
     lines.append(f"  {'naive peak (device total)':<{width}}  {format_bytes(estimate.naive_peak_bytes):>12}")
     if estimate.minimum_device_bytes is not None:
         lines.append(
             f"  {'smallest device with a plan':<{width}}  {format_bytes(estimate.minimum_device_bytes):>12}"
-            f"  (recompute ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step)"
+            f"  (lowest plan recomputes ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step at most)"
         )
     fit = estimate.fit
     if fit is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_tbp.compat import FakeTensorMode, fake_module_support, tree_flatten
+from lightning_tbp.compat import FakeTensorMode, fake_module_support, storage_key, tree_flatten
 from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
@@ -38,7 +38,7 @@ from lightning_tbp.memory.breakdown import state_tensors
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import step_model_for
-from lightning_tbp.remat.trace import Trace, record_trace, storage_key
+from lightning_tbp.remat.trace import Trace, record_trace
 
 
 @dataclass

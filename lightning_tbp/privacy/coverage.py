@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from lightning_tbp.compat import FakeTensor
 from lightning_tbp.privacy.errors import FIXES, CoverageError
 from lightning_tbp.privacy.layers import LayerHandler, handler_for, trainable
 
@@ -189,6 +190,8 @@ def row_violation(grad: Tensor, batch: int, probed: int) -> str | None:
     shows that its dim 0 is not the batch, or None when it is consistent with it."""
     if grad.dim() == 0 or grad.shape[0] != batch:
         return f"its gradient has shape {tuple(grad.shape)}, not [batch={batch}, ...]"
+    if isinstance(grad, FakeTensor):  # ``tbp estimate`` runs the step without values: shapes only
+        return None
     others = torch.cat([grad[:probed], grad[probed + 1 :]])
     if bool((others != 0).any()):
         return "rows of other samples receive gradient from one sample's loss"

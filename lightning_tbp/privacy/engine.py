@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_tbp.compat import storage_key
 from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
@@ -264,11 +265,12 @@ class DPEngine:
                 self._backpropagate((loss * coef.to(loss.dtype)).sum())
             else:
                 self._book.reverse()
-                while self._book:  # each entry's operands die as soon as its sum is formed
-                    entry, saved, grads = self._book.pop()
-                    self._clipped_sum(entry, saved, grads, coef)
-                    self._release(*saved, *grads)
-                    del saved, grads
+                with torch.no_grad():  # sums formed from the book; module reads stay plain parameters
+                    while self._book:  # each entry's operands die as soon as its sum is formed
+                        entry, saved, grads = self._book.pop()
+                        self._clipped_sum(entry, saved, grads, coef)
+                        self._release(*saved, *grads)
+                        del saved, grads
         finally:
             self._phase, self._book, self._pending, self._norm_sq, self._held = None, [], {}, None, {}
             self.buffers.current_bytes = _bytes((self.per_sample_norms, self.clip_coefficients))
@@ -443,7 +445,7 @@ class DPEngine:
         """Count bytes the engine keeps alive beyond plain autograd (for the memory report); a
         storage held several times (one input booked for q, k and v) counts once."""
         for tensor in tensors:
-            key = tensor.untyped_storage().data_ptr()
+            key = storage_key(tensor)
             self._held[key] = self._held.get(key, 0) + 1
             if self._held[key] == 1:
                 self.buffers.current_bytes += tensor.untyped_storage().nbytes()
@@ -451,7 +453,7 @@ class DPEngine:
 
     def _release(self, *tensors: Tensor) -> None:
         for tensor in tensors:
-            key = tensor.untyped_storage().data_ptr()
+            key = storage_key(tensor)
             self._held[key] -= 1
             if not self._held[key]:
                 del self._held[key]

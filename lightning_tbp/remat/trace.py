@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, tree_flatten
+from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator
 from lightning_tbp.remat.flops import flop_count
@@ -142,13 +142,6 @@ class Trace:
             if node.path == path:
                 return node
         raise KeyError(path)
-
-
-def storage_key(tensor: torch.Tensor) -> int | None:
-    try:
-        return tensor.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, ...)
-        return None
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:

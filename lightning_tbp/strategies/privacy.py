@@ -104,9 +104,27 @@ class PerSampleLoss(torch.Tensor):
         step(self.as_subclass(torch.Tensor))
 
 
+#: Set while a DP step runs outside a Trainer (``tbp estimate``): ``training_step`` returns per sample.
+_PER_SAMPLE_OUTSIDE_TRAINER: ContextVar[bool] = ContextVar("per_sample_loss_outside_trainer", default=False)
+
+
 def wants_per_sample_loss(trainer: pl.Trainer | None) -> bool:
-    """True when the Trainer's strategy trains privately, so ``training_step`` must return a [B] loss."""
+    """True when the Trainer's strategy trains privately, so ``training_step`` must return a [B] loss
+    (or when a DP step runs outside a Trainer, inside :func:`per_sample_losses`)."""
+    if _PER_SAMPLE_OUTSIDE_TRAINER.get():
+        return True
     return trainer is not None and getattr(trainer.strategy, "privacy", None) is not None
+
+
+@contextlib.contextmanager
+def per_sample_losses() -> Iterator[None]:
+    """Ask ``training_step`` for the per-sample loss with no Trainer attached: ``tbp estimate``
+    runs a DP config's step through the module's own ``training_step``, without a Trainer."""
+    token = _PER_SAMPLE_OUTSIDE_TRAINER.set(True)
+    try:
+        yield
+    finally:
+        _PER_SAMPLE_OUTSIDE_TRAINER.reset(token)
 
 
 class PrivateTraining:

@@ -62,6 +62,11 @@ def test_leaf_subclasses_share_storage_and_require_grad() -> None:
     tagged = compat.make_leaf_subclass(Tagged, data, True)
     assert type(tagged) is Tagged and tagged.is_leaf and tagged.requires_grad
     assert tagged.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+    with compat.FakeTensorMode():  # a fake tensor cannot be re-typed: same layout over a meta tensor
+        fake = torch.empty(3, 4).t()
+        tagged = compat.make_leaf_subclass(Tagged, fake, True)
+    assert type(tagged) is Tagged and tagged.is_leaf and tagged.requires_grad
+    assert (tagged.shape, tagged.stride(), tagged.dtype) == (fake.shape, fake.stride(), fake.dtype)
 
 
 def test_foreach_division_in_place() -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from lightning_tbp.estimate.live_bytes import rounded
 from lightning_tbp.remat.trace import Trace
 
 
@@ -53,9 +54,7 @@ class DeviceModel:
 
     def round_storages(self, trace: Trace) -> None:
         """Storage sizes as the device's allocator counts them."""
-        if self.allocation_rounding > 1:
-            step = self.allocation_rounding
-            trace.storage_bytes = [-(-size // step) * step for size in trace.storage_bytes]
+        trace.storage_bytes = [rounded(size, self.allocation_rounding) for size in trace.storage_bytes]
 
 
 #: An H100-class GPU at typical achieved rates (dense bf16 matmuls ~400 TFLOP/s, ~2.5 TB/s).

@@ -99,7 +99,6 @@ class StepEstimate:
     world_size: int = 1
     communication_bytes: int = 0  # DDP's gradient buckets (held); FSDP2's gathered units (in the step)
     fit: PlanFit | None = None
-    notes: list[str] = field(default_factory=list)
 
     @property
     def held_bytes(self) -> int:
@@ -216,7 +215,7 @@ def estimate_step(
     if minimum:
         _find_minimum(estimate, solver)
     if device_memory is not None:
-        estimate.fit = _fit(estimate, solver, trace, device_memory)
+        estimate.fit = _fit(estimate, solver, device_memory)
     estimate.estimate_seconds = time.perf_counter() - started
     return estimate
 
@@ -247,13 +246,9 @@ def _clear_grads(step: TrainingStep) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
-def _step_ns(trace: Trace, passes: int) -> float:
-    return sum(trace.event_cost) + passes * sum(trace.event_backward_cost)
-
-
 def _plan_ratios(solver: Solver, result: Any) -> tuple[float, float]:
     trace = solver.sim.trace
-    time_ratio = result.recompute_cost / max(_step_ns(trace, solver.sim.backward_passes), 1.0)
+    time_ratio = result.recompute_cost / max(trace.step_ns(solver.sim.backward_passes), 1.0)
     flop_ratio = result.recompute_flops / max(3 * sum(trace.event_flops), 1)
     return time_ratio, flop_ratio
 
@@ -271,7 +266,7 @@ def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:
     estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, lowest)[0]
 
 
-def _fit(estimate: StepEstimate, solver: Solver, trace: Trace, device_memory: int) -> PlanFit:
+def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
     fit = PlanFit(device_memory, fits_without_plan=estimate.naive_peak_bytes <= device_memory, fits_with_plan=False)
     if estimate.held_bytes + estimate.optimizer_step_peak_bytes > device_memory:
         fit.reason = (

@@ -140,8 +140,7 @@ def solve_shape(
         planned=planned,
         forward_flops=sum(trace.event_flops),
         forward_ns=sum(trace.event_cost),
-        step_ns=trace.step_factor
-        * (sum(trace.event_cost) + simulator.backward_passes * sum(trace.event_backward_cost)),
+        step_ns=trace.step_ns(simulator.backward_passes),
         parameter_grad_bytes=trace.parameter_grad_bytes,
         step=simulator.step.name,
         blocks=_block_table(trace, simulator, options, planned),

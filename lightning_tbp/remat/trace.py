@@ -113,6 +113,11 @@ class Trace:
     def num_events(self) -> int:
         return len(self.event_node)
 
+    def step_ns(self, backward_passes: int) -> float:
+        """Predicted time of the unplanned step: every op's forward and, per backward pass, its
+        backward, scaled to real block steps (``step_factor``); recomputation is priced against it."""
+        return self.step_factor * (sum(self.event_cost) + backward_passes * sum(self.event_backward_cost))
+
     def block_edges(self) -> list[tuple[str, str, int]]:
         """Data edges between blocks: (producer block, consumer block, bytes).
 

@@ -23,7 +23,7 @@ def flop_priced_plans(monkeypatch: pytest.MonkeyPatch) -> None:
     def flop_priced_trace(*args: object, **kwargs: object) -> Trace:
         trace = original(*args, **kwargs)
         trace.event_cost = [float(flops) + 1.0 for flops in trace.event_flops]
-        trace.overheads, trace.framework_factor = StepOverheads(), 1.0
+        trace.overheads = StepOverheads()
         return trace
 
     monkeypatch.setattr(plan_module, "record_trace", flop_priced_trace)

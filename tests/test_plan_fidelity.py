@@ -203,3 +203,34 @@ def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(nam
     solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
     for _, result in solver.uniform_plans():
         assert minimum <= math.ceil(result.peak_bytes / (1 - PLANNING_MARGIN))
+
+
+def test_each_block_is_priced_at_its_measured_forward() -> None:
+    """Ops take the framework cost of the block they run in: a block's own ops (outside its
+    child blocks) share what its real forward spent beyond its children's, the ops outside every
+    block the rest of the whole forward; so every block's ops sum to its measured forward. A
+    block measured faster than its children (timing noise) is clipped, not priced negative."""
+    from lightning_tbp.remat.trace import FRAMEWORK_FACTOR_RANGE, Node, Trace, _scale_to_framework
+
+    def trace() -> Trace:
+        t = Trace(event_node=[0, 1, 2, 2, 1, 3, 3, 0], event_cost=[1.0] * 8)
+        t.nodes = [
+            Node(0, "", -1, first_event=0, last_event=7, children=[1, 3]),
+            Node(1, "a", 0, first_event=1, last_event=4, children=[2]),
+            Node(2, "a.x", 1, first_event=2, last_event=3),
+            Node(3, "b", 0, first_event=5, last_event=6),
+        ]
+        return t
+
+    priced = trace()
+    _scale_to_framework(priced, 20.0, [8.0, 3.0, 4.0])  # block walls in call order: a, a.x, b
+    assert priced.event_cost == [4.0, 2.5, 1.5, 1.5, 2.5, 2.0, 2.0, 4.0]
+    assert sum(priced.event_cost[1:5]) == 8.0 and sum(priced.event_cost) == 20.0
+
+    noisy = trace()
+    _scale_to_framework(noisy, 20.0, [2.0, 3.0, 4.0])  # "a" timed below its child "a.x"
+    assert noisy.event_cost[1] == noisy.event_cost[4] == FRAMEWORK_FACTOR_RANGE[0]
+
+    branched = trace()  # the timing forward made other calls than the profile: one factor for all
+    _scale_to_framework(branched, 16.0, [8.0, 3.0])
+    assert branched.event_cost == [2.0] * 8

@@ -5,7 +5,9 @@ a 64x64 map can cost as much as the small convolution next to it. Each distinct 
 dtypes, arguments) of the trace is run on its own, without gradients, and timed (best of two
 runs after a warm-up; CUDA synchronised); pure views cost nothing and are not run.
 Each op's backward is timed the same way (random output gradients), so the naive step's time
-is predicted from its parts too; what the plan options add beyond their ops is ``overheads.py``'s.
+is predicted from its parts too. Forward times are then scaled to the real forward of the block
+around each op (``trace._scale_to_framework``): recomputation runs in the framework, with its
+Python and autograd work; what the plan options add beyond their ops is ``overheads.py``'s.
 
 **Workspace.** Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
 layout reorders on CPU, cuDNN/cuBLAS workspaces on CUDA), in the forward (and so in every

@@ -5,8 +5,7 @@ The planner prices an option from its ops' times and per-op overheads measured o
 per module call), and on a CPU the difference decides between options. So after profiling, a few
 representative blocks (the commonest block classes) run a real forward and backward, alone,
 under each option and plainly, in interleaved rounds; the measured extra time over the estimate
-gives each option's scale, and the plain block steps against their ops' isolated forward and
-backward times the step's. Only one block's activations exist at a time, so this stays as
+gives each option's scale. Only one block's activations exist at a time, so this stays as
 memory-safe as the profile; parameter gradients go through ``autograd.grad``, never ``.grad``.
 """
 
@@ -46,7 +45,6 @@ class BlockTiming:
 class Calibration:
     timings: tuple[BlockTiming, ...]
     option_scale: dict[Option, float]
-    step_factor: float
 
 
 def calibrate(
@@ -57,12 +55,11 @@ def calibrate(
     chosen = _representatives(module, trace)
     inputs = _capture_inputs(module, [path for path, _ in chosen], args, kwargs, inside_call)
     timings: list[BlockTiming] = []
-    step_ratios: list[float] = []
     for path, node in chosen:
         if path not in inputs:
             continue
         try:
-            measured, plain_ns = _time_block(module, path, inputs[path], options, simulator.cache_limit(node))
+            measured = _time_block(module, path, inputs[path], options, simulator.cache_limit(node))
         except (RuntimeError, TypeError, ValueError):  # a block that cannot run alone keeps the estimate
             continue
         keep = [Option.KEEP] * len(trace.nodes)
@@ -70,17 +67,12 @@ def calibrate(
             plan = list(keep)
             plan[node] = option
             timings.append(BlockTiming(path, option, simulator.run(plan).recompute_cost, extra))
-        events = range(trace.nodes[node].first_event, trace.nodes[node].last_event + 1)
-        isolated = sum(trace.event_cost[e] + trace.event_backward_cost[e] for e in events)
-        if isolated > 0:
-            step_ratios.append(plain_ns / isolated)
     scale: dict[Option, float] = {}
     for option in options:
         ratios = [t.measured_ns / t.predicted_ns for t in timings if t.option == option and t.predicted_ns > 0]
         if ratios:
             scale[option] = min(max(statistics.median(ratios), SCALE_RANGE[0]), SCALE_RANGE[1])
-    step_factor = statistics.median(step_ratios) if step_ratios else trace.framework_factor
-    return Calibration(tuple(timings), scale, step_factor)
+    return Calibration(tuple(timings), scale)
 
 
 def _representatives(module: nn.Module, trace: Trace) -> list[tuple[str, int]]:
@@ -135,8 +127,8 @@ def _detached(x: Any) -> Any:
 
 def _time_block(
     module: nn.Module, path: str, block_inputs: tuple[tuple, dict], options: tuple[Option, ...], cache_limit: int
-) -> tuple[dict[Option, float], float]:
-    """Median extra nanoseconds of each option over the plain block step, and the plain step's."""
+) -> dict[Option, float]:
+    """Median extra nanoseconds of each option over the plain block step."""
     block = module.get_submodule(path)
     block_args, block_kwargs = tree_map(
         lambda x: x.requires_grad_() if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
@@ -168,4 +160,4 @@ def _time_block(
     finally:
         wrappers.remove()
     plain = statistics.median(samples.pop(Option.KEEP))
-    return {option: max(0.0, statistics.median(spent) - plain) for option, spent in samples.items()}, plain
+    return {option: max(0.0, statistics.median(spent) - plain) for option, spent in samples.items()}

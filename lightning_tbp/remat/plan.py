@@ -215,7 +215,7 @@ class Plan:
             finally:
                 self._planning = False
             profile_seconds = time.perf_counter() - start
-        trace.option_scale, trace.step_factor = self._calibration.option_scale, self._calibration.step_factor
+        trace.option_scale = self._calibration.option_scale
         solver = Solver(Simulator(trace, step), selective=selective)
         profile = _Profile(
             trace,

@@ -50,7 +50,7 @@ class ShapePlan:
     planned: SimResult
     forward_flops: int
     forward_ns: float  # sum of the calibrated op times of one forward
-    step_ns: float  # predicted time of the unplanned step: its ops' forward and backward times, in the framework
+    step_ns: float  # predicted time of the unplanned step (``Trace.step_ns``)
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
     blocks: list[BlockDecision] = field(default_factory=list)

@@ -340,7 +340,7 @@ class _Replay:
             if rebuild:  # unpacked one after another: earlier ones stay rebuilt while later ones are
                 peak, rebuilt = self.rebuilds.get(event, (0, 0))
                 self.rebuilds[event] = (max(peak, rebuilt + rebuild), rebuilt + self.sim.sizes[sid])
-                self.charge(Option.LAZY, cost * self.trace.framework_factor * self.sim.backward_passes)
+                self.charge(Option.LAZY, cost * self.sim.backward_passes)
         return held
 
     def release(self, sids: list[int]) -> None:
@@ -412,7 +412,7 @@ class _Replay:
             elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in trace.event_outputs[event]]))
             if recompute and not cached:
-                self.charge(options[region], trace.event_cost[event] * trace.framework_factor)
+                self.charge(options[region], trace.event_cost[event])
                 self.recompute_flops += trace.event_flops[event]
             workspace = 0 if cached else trace.event_forward_workspace[event]
             self.mem += workspace

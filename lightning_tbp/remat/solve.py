@@ -385,15 +385,15 @@ class Solver:
         """Estimated extra time of ``option`` on block ``index``: its recomputed ops in the real
         framework, and what the option itself adds (``overheads.py``)."""
         trace = self.sim.trace
-        factor, overheads = trace.framework_factor, trace.overheads
+        overheads = trace.overheads
         checkpoint = overheads.checkpoint_call_ns + self.save_count[index] * overheads.checkpoint_save_ns
         if option == Option.FULL:
-            cost = factor * self.subtree_cost[index] + checkpoint
+            cost = self.subtree_cost[index] + checkpoint
         elif option == Option.SELECTIVE:
             dispatched = 2 * self.event_count[index] * overheads.selective_op_ns  # in the forward and the recompute
-            cost = factor * self.cheap_cost[index] + checkpoint + dispatched
+            cost = self.cheap_cost[index] + checkpoint + dispatched
         elif option == Option.LAZY:
-            cost = factor * self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
+            cost = self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
         else:
             return 0.0
         return cost * trace.option_scale.get(option, 1.0)

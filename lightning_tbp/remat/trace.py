@@ -88,7 +88,8 @@ class Trace:
     event_heavy: list[bool] = field(default_factory=list)
     event_recomputable: list[bool] = field(default_factory=list)  # a lazy block may rebuild its outputs
     event_flops: list[int] = field(default_factory=list)
-    event_cost: list[float] = field(default_factory=list)  # measured forward time, ns (the op alone)
+    # measured forward time, ns: the op alone, scaled to its block's real forward (``_scale_to_framework``)
+    event_cost: list[float] = field(default_factory=list)
     event_backward_cost: list[float] = field(default_factory=list)  # measured backward time, ns (alone)
     event_op: list[str] = field(default_factory=list)
     event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
@@ -97,13 +98,9 @@ class Trace:
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
     overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)
-    # The module's real forward (autograd, Python, module calls) over the sum of its ops alone:
-    # recomputation runs in the real framework, so its op times are scaled by this
-    framework_factor: float = 1.0
     # Measured over modelled extra time of each plan option, from real block steps
     # (``calibrate_blocks.py``); the model's estimate stands where none was measured
     option_scale: dict = field(default_factory=dict)
-    step_factor: float = 1.0  # real block steps over their ops' forward and backward times alone
     taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU)
@@ -114,9 +111,9 @@ class Trace:
         return len(self.event_node)
 
     def step_ns(self, backward_passes: int) -> float:
-        """Predicted time of the unplanned step: every op's forward and, per backward pass, its
-        backward, scaled to real block steps (``step_factor``); recomputation is priced against it."""
-        return self.step_factor * (sum(self.event_cost) + backward_passes * sum(self.event_backward_cost))
+        """Predicted time of the unplanned step: every op's forward (in its block's real forward)
+        and, per backward pass, its backward; recomputation is priced against it."""
+        return sum(self.event_cost) + backward_passes * sum(self.event_backward_cost)
 
     def block_edges(self) -> list[tuple[str, str, int]]:
         """Data edges between blocks: (producer block, consumer block, bytes).
@@ -423,9 +420,6 @@ def record_trace(
         stop_listening(listening)
         for handle in handles:
             handle.remove()
-    if measure:
-        forward_wall_ns = _time_forward(module, args, kwargs, inside_call, cuda_devices)
-        trace.framework_factor = max(1.0, forward_wall_ns / max(sum(c for c, _ in times.values()), 1.0))
     trace.event_forward_workspace = [0] * trace.num_events
     trace.event_workspace = [0] * trace.num_events
     for event, (forward, backward) in workspaces.items():
@@ -435,6 +429,8 @@ def record_trace(
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns
         trace.event_backward_cost[event] = backward_ns
+    if measure:
+        _scale_to_framework(trace, *_time_forward(module, candidates, args, kwargs, inside_call, cuda_devices))
     device = devices[0] if devices else torch.device("cpu")
     trace.overheads = step_overheads(device) if measure else StepOverheads()
     trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
@@ -446,29 +442,97 @@ def record_trace(
     return trace
 
 
-def _time_forward(module: nn.Module, args: tuple, kwargs: dict, inside_call: bool, cuda_devices: list[int]) -> float:
+#: Bounds of a block's real forward over its ops' isolated times: a wild measurement of one
+#: small block must not price its recomputation at nothing or at a hundred times its ops.
+FRAMEWORK_FACTOR_RANGE = (0.5, 10.0)
+
+
+def _time_forward(
+    module: nn.Module,
+    candidates: dict[nn.Module, str],
+    args: tuple,
+    kwargs: dict,
+    inside_call: bool,
+    cuda_devices: list[int],
+) -> tuple[float, list[float]]:
     """Best of two real forwards with gradients (autograd and module overhead included), its
-    saved tensors dropped as in the profile so it stays memory-safe; nanoseconds."""
+    saved tensors dropped as in the profile so it stays memory-safe: nanoseconds of the whole
+    forward, and of each candidate block's call in call order (the trace's node order)."""
 
     def refuse(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp timing graph cannot be backpropagated")
 
-    best = float("inf")
-    with (
-        frozen_buffers(module),
-        torch.random.fork_rng(devices=cuda_devices),
-        torch.autograd.graph.saved_tensors_hooks(lambda _: None, refuse),
-    ):
-        for _ in range(2):
-            for device in cuda_devices:
-                torch.cuda.synchronize(device)
-            start = time.perf_counter_ns()
-            output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
-            for device in cuda_devices:
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter_ns() - start)
-            del output
-    return float(best)
+    def synchronise() -> None:
+        for device in cuda_devices:
+            torch.cuda.synchronize(device)
+
+    calls: list[float] = []
+    open_calls: list[tuple[int, int]] = []
+
+    def enter(*_: object) -> None:
+        synchronise()
+        open_calls.append((len(calls), time.perf_counter_ns()))
+        calls.append(0.0)
+
+    def leave(*_: object) -> None:
+        synchronise()
+        slot, start = open_calls.pop()
+        calls[slot] = float(time.perf_counter_ns() - start)
+
+    handles = [sub.register_forward_pre_hook(enter) for sub in candidates]
+    handles += [sub.register_forward_hook(leave) for sub in candidates]
+    best, best_calls = float("inf"), None
+    try:
+        with (
+            frozen_buffers(module),
+            torch.random.fork_rng(devices=cuda_devices),
+            torch.autograd.graph.saved_tensors_hooks(lambda _: None, refuse),
+        ):
+            for _ in range(2):
+                calls.clear()
+                synchronise()
+                start = time.perf_counter_ns()
+                output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
+                synchronise()
+                best = min(best, time.perf_counter_ns() - start)
+                if best_calls is None or len(best_calls) != len(calls):
+                    best_calls = list(calls)
+                else:
+                    best_calls = [min(a, b) for a, b in zip(best_calls, calls, strict=True)]
+                del output
+    finally:
+        for handle in handles:
+            handle.remove()
+    return float(best), best_calls or []
+
+
+def _scale_to_framework(trace: Trace, forward_ns: float, block_ns: list[float]) -> None:
+    """Scale each op's isolated forward time to what it costs inside its block's real forward.
+
+    A recomputation runs in the framework: Python, module calls, autograd's graph. How much that
+    adds over the ops alone differs by block (measured on a small Flux: its adaptive norms of ten
+    tiny ops pay 2.5x their ops, its attention 1.5x, a U-Net's convolutions 1.1x), so one factor
+    for the whole model misprices the blocks a plan recomputes. The ops a block runs itself
+    (outside its child blocks) share what its real forward spent beyond its children's; the
+    ops outside every block share the rest of the whole forward. A block's recomputation is then
+    priced at its measured forward, and the unplanned forward at the measured one.
+    """
+    nodes = trace.nodes
+    low, high = FRAMEWORK_FACTOR_RANGE
+    if len(block_ns) != len(nodes) - 1:  # the calls differ from the profile's (data-dependent branches)
+        factor = min(max(forward_ns / max(sum(trace.event_cost), 1.0), low), high)
+        trace.event_cost = [cost * factor for cost in trace.event_cost]
+        return
+    wall = [forward_ns, *block_ns]
+    own_events: list[list[int]] = [[] for _ in nodes]
+    for event, node in enumerate(trace.event_node):
+        own_events[node].append(event)
+    for node in nodes:
+        alone = sum(trace.event_cost[e] for e in own_events[node.index])
+        spent = wall[node.index] - sum(wall[child] for child in node.children)
+        factor = min(max(spent / alone, low), high) if alone > 0 and wall[node.index] > 0 else 1.0
+        for event in own_events[node.index]:
+            trace.event_cost[event] *= factor
 
 
 def _drop_repeated(trace: Trace, repeated: set[str]) -> None:

@@ -20,6 +20,7 @@ keeps this memory-safe.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class _TensorSpec:
         extent = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
         storage = torch.empty(extent if all(self.shape) else 0, dtype=self.dtype, device=self.device)
         if self.dtype.is_floating_point:
-            storage.normal_()
+            storage.uniform_(-1.0, 1.0)  # any finite values time alike; uniform fills faster than normal
         else:
             storage.zero_()
         tensor = storage.as_strided(self.shape, self.stride)
@@ -82,24 +83,29 @@ class OpCalibrator:
         if not _is_view(func) and not _is_communication(func):
             self._timed_keys.add(key)
 
-    def measure_times(self) -> dict[int, tuple[float, float]]:
-        """(forward, backward) nanoseconds per noted event (0 for views)."""
-        per_key = {key: (_time_op(*self._specs[key]), _time_op_backward(*self._specs[key])) for key in self._timed_keys}
-        return {event: per_key.get(key, (0.0, 0.0)) for event, key in self.event_keys.items()}
+    def measure(self) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[int, int]]]:
+        """(forward, backward) nanoseconds per noted event (0 for views), and (forward, backward)
+        workspace bytes per heavy event (none under a running profiler on CPU).
 
-    def measure_workspaces(self) -> dict[int, tuple[int, int]]:
-        """(forward, backward) workspace bytes per heavy event (none under a running profiler)."""
-        specs = {key: self._specs[key] for key in self._workspace_keys}
-        if profiler_active() and any(_device_of(spec).type == "cpu" for spec in specs.values()):
+        Each distinct op is materialised once and run for both: timing and metering from the
+        same inputs and the same forward halves what a separate pass for each cost (a third of
+        a reference U-Net's planning time went to re-materialising and re-running its ops)."""
+        metered = self._workspace_keys
+        if profiler_active() and any(_device_of(self._specs[key]).type == "cpu" for key in metered):
             warnings.warn(
                 "lightning_tbp: a torch profiler is running, so op workspaces cannot be measured on CPU; "
                 "plans made now predict peaks a few percent low (plan outside the profiler to avoid this)",
                 stacklevel=4,
             )
-            return {}
-        with garbage_collection_held():  # one collection for all the ops, not one each
-            per_key = {key: _measure_one(*spec) for key, spec in specs.items()}
-        return {event: per_key[key] for event, key in self.event_keys.items() if key in per_key}
+            metered = set()
+        with garbage_collection_held(collect=False):  # holding it off keeps the meters exact
+            per_key = {
+                key: _measure_op(*self._specs[key], timed=key in self._timed_keys, metered=key in metered)
+                for key in self._timed_keys | metered
+            }
+        times = {event: per_key[key][:2] if key in per_key else (0.0, 0.0) for event, key in self.event_keys.items()}
+        workspaces = {event: per_key[key][2:] for event, key in self.event_keys.items() if key in metered}
+        return times, workspaces
 
 
 _TIMING_RUNS = 2
@@ -125,86 +131,65 @@ def _synchronise(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_op(func: Any, spec_args: tuple, spec_kwargs: dict) -> float:
-    """Best-of-``_TIMING_RUNS`` forward time of one op in nanoseconds (0 if it cannot run alone)."""
-    device = _device_of((func, spec_args, spec_kwargs))
-    args, kwargs = tree_map(
-        lambda x: x.materialise().detach() if isinstance(x, _TensorSpec) else x,
-        (spec_args, spec_kwargs),
-        is_leaf=lambda x: isinstance(x, _TensorSpec),
-    )
+def _best_ns(run: Any, device: torch.device, warm_up: bool = True) -> float:
+    """Best-of-``_TIMING_RUNS`` nanoseconds of ``run()``, after a warm-up run (allocator, kernel
+    selection) unless the caller already ran it."""
+    if warm_up:
+        run()
     best = float("inf")
-    with torch.no_grad():
-        try:
-            func(*args, **kwargs)  # warm-up (allocator, kernel selection)
-            for _ in range(_TIMING_RUNS):
-                _synchronise(device)
-                start = time.perf_counter_ns()
-                func(*args, **kwargs)
-                _synchronise(device)
-                best = min(best, time.perf_counter_ns() - start)
-        except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data
-            return 0.0
+    for _ in range(_TIMING_RUNS):
+        _synchronise(device)
+        start = time.perf_counter_ns()
+        run()
+        _synchronise(device)
+        best = min(best, time.perf_counter_ns() - start)
     return float(best)
 
 
-def _time_op_backward(func: Any, spec_args: tuple, spec_kwargs: dict) -> float:
-    """Best-of-``_TIMING_RUNS`` time of one op's backward for random output gradients (0 if none)."""
+def _measure_op(
+    func: Any, spec_args: tuple, spec_kwargs: dict, *, timed: bool, metered: bool
+) -> tuple[float, float, int, int]:
+    """One op alone: its forward and backward time (if ``timed``; the backward for random output
+    gradients) and workspace (if ``metered``: the forward's peak beyond its outputs, the
+    backward's beyond the gradients it returns). The first forward and backward, metered or not,
+    warm the kernels up for the timed runs. Zeros where the op cannot run alone."""
     specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
-    if not any(x.needs_grad for x in specs):
-        return 0.0
-    device = specs[0].device
+    device = specs[0].device if specs else torch.device("cpu")
+    metered = metered and any(x.needs_grad for x in specs) and device.type in ("cpu", "cuda")
     args, kwargs = tree_map(
         lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
         (spec_args, spec_kwargs),
         is_leaf=lambda x: isinstance(x, _TensorSpec),
     )
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-    best = float("inf")
+    forward_ns = backward_ns = 0.0
+    forward_workspace = backward_workspace = 0
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), allocator_peak(device) if metered else contextlib.nullcontext() as forward:
             results = tree_flatten([func(*args, **kwargs)])[0]
+        if metered:
+            forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
+        if timed:
+            with torch.no_grad():
+                forward_ns = _best_ns(lambda: func(*args, **kwargs), device, warm_up=False)
         outs = [o for o in results if isinstance(o, torch.Tensor) and o.requires_grad]
-        if not outs:
-            return 0.0
-        grads = [torch.randn_like(o) for o in outs]
-        torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)  # warm-up
-        for _ in range(_TIMING_RUNS):
-            _synchronise(device)
-            start = time.perf_counter_ns()
+        if not (inputs and outs and (timed or metered)):
+            return forward_ns, 0.0, forward_workspace, 0
+
+        def backward() -> None:
             torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
-            _synchronise(device)
-            best = min(best, time.perf_counter_ns() - start)
-    except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data
-        return 0.0
-    return float(best)
+
+        grads = [torch.empty_like(o).uniform_(-1.0, 1.0) for o in outs]
+        if metered:
+            grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
+            backward_workspace = max(0, measure_peak(backward, device).peak_bytes - grad_bytes)
+        if timed:
+            backward_ns = _best_ns(backward, device, warm_up=not metered)
+    except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
+        return forward_ns, backward_ns, forward_workspace, backward_workspace
+    return forward_ns, backward_ns, forward_workspace, backward_workspace
 
 
 def _device_of(spec: tuple) -> torch.device:
     tensors = [x for x in tree_flatten(spec[1:])[0] if isinstance(x, _TensorSpec)]
     return tensors[0].device if tensors else torch.device("cpu")
-
-
-def _measure_one(func: Any, spec_args: tuple, spec_kwargs: dict) -> tuple[int, int]:
-    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
-    device = specs[0].device
-    if not any(x.needs_grad for x in specs) or device.type not in ("cpu", "cuda"):
-        return 0, 0
-    args, kwargs = tree_map(
-        lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
-        (spec_args, spec_kwargs),
-        is_leaf=lambda x: isinstance(x, _TensorSpec),
-    )
-    inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
-    result: list[Any] = []
-    with torch.enable_grad(), allocator_peak(device) as forward:
-        result.append(func(*args, **kwargs))
-    outs = [o for o in tree_flatten(result)[0] if isinstance(o, torch.Tensor)]
-    forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
-    outs = [o for o in outs if o.requires_grad]
-    if not outs:
-        return forward_workspace, 0
-    grads_out = [torch.randn_like(o) for o in outs]
-    grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
-    peak = measure_peak(lambda: torch.autograd.backward(outs, grads_out), device).peak_bytes
-    return forward_workspace, max(0, peak - grad_bytes)

@@ -414,8 +414,7 @@ def record_trace(
         times: dict[int, tuple[float, float]] = {}
         if measure:
             with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
-                workspaces = recorder.calibrator.measure_workspaces()
-                times = recorder.calibrator.measure_times()
+                times, workspaces = recorder.calibrator.measure()
     finally:
         stop_listening(listening)
         for handle in handles:

@@ -15,7 +15,7 @@ over the plain step, and the largest relative gradient difference from plain aut
 
     python benchmarks/zoo.py --all --out docs/benchmarks/zoo          # every architecture, CPU
     python benchmarks/zoo.py --arch sd3 --out /tmp/zoo                 # one
-    python benchmarks/zoo.py --summarize --out docs/benchmarks/zoo     # summary and plot of the files there
+    python benchmarks/zoo.py --summarize --out docs/benchmarks/zoo     # summary, table.md and plot of the files there
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ def run_architecture(name: str, trials: int) -> dict[str, Any]:
             "budget_bytes": shape_plan.budget_bytes,
             "predicted_peak_bytes": shape_plan.predicted_peak_bytes,
             "predicted_overhead": shape_plan.recompute_time_ratio,
+            "predicted_naive_step_seconds": shape_plan.step_ns / 1e9,
             "plan_seconds": shape_plan.profile_seconds + shape_plan.solve_seconds,
             "decisions": {path: option.name.lower() for path, option in shape_plan.options.items()},
         }
@@ -176,6 +177,7 @@ def _time_in_turns(case, rows, plans, inner, trials: int, device: torch.device) 
         rows[mode]["time_vs_naive"] = rows[mode]["step_seconds"] / naive
         if "predicted_overhead" in rows[mode]:
             rows[mode]["measured_overhead"] = rows[mode]["time_vs_naive"] - 1
+            rows[mode]["naive_step_predicted_vs_measured"] = rows[mode]["predicted_naive_step_seconds"] / naive
 
 
 def plot(results: list[dict[str, Any]]) -> Any:
@@ -197,6 +199,37 @@ def plot(results: list[dict[str, Any]]) -> Any:
     memory.legend(fontsize=8)
     figure.suptitle(f"lightning_tbp on the diffusers zoo ({device_label(results[0]['machine'])})")
     return figure
+
+
+def markdown_table(results: list[dict[str, Any]]) -> str:
+    """The table of docs/benchmarks.md, from the result files (numbers are never typed by hand)."""
+    lines = [
+        "| architecture | mode | peak MiB | peak / naive | measured / budget | measured / predicted "
+        "| FLOPs / naive | time / naive | time / diffusers | overhead predicted / measured "
+        "| naive step predicted / measured | plan s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for result in results:
+        rows = result["rows"]
+        diffusers = rows.get("diffusers", {}).get("step_seconds")
+        for index, (mode, row) in enumerate((m, r) for m, r in rows.items() if "peak_bytes" in r):
+            planned = "predicted_overhead" in row
+            cells = [
+                result["architecture"] if index == 0 else "",
+                mode,
+                f"{row['peak_bytes'] / 2**20:.1f}",
+                f"{row['peak_vs_naive']:.3f}",
+                f"{row['measured_vs_budget']:.3f}" if planned else "",
+                f"{row['measured_vs_predicted']:.3f}" if planned else "",
+                f"{row['flops_vs_naive']:.3f}",
+                f"{row['time_vs_naive']:.2f}",
+                f"{row['step_seconds'] / diffusers:.2f}" if diffusers else "",
+                f"{row['predicted_overhead']:.2f} / {row['measured_overhead']:.2f}" if planned else "",
+                f"{row['naive_step_predicted_vs_measured']:.2f}" if planned else "",
+                f"{row['plan_seconds']:.1f}" if planned else "",
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -231,7 +264,8 @@ def main() -> None:
     figure = plot(results)
     figure.tight_layout()
     figure.savefig(args.out / "zoo.png", dpi=120)
-    print(f"wrote {args.out}/summary.json and zoo.png; failed: {failed or 'none'}")
+    (args.out / "table.md").write_text(markdown_table(results) + "\n")
+    print(f"wrote {args.out}/summary.json, table.md and zoo.png; failed: {failed or 'none'}")
 
 
 if __name__ == "__main__":

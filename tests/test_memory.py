@@ -106,3 +106,25 @@ def test_cpu_meter_collects_garbage_first_and_holds_the_collector_off() -> None:
         assert alive() is None, "garbage is collected before the region"
         assert not gc.isenabled(), "no collection inside the region"
     assert gc.isenabled()
+
+
+def test_holding_the_collector_off_without_collecting_keeps_old_cycles_alive_inside() -> None:
+    """``garbage_collection_held(collect=False)`` (the per-op meters of planning) skips the costly
+    full collection but still holds the collector off, so no old block is freed inside."""
+    from lightning_tbp.memory.meters import garbage_collection_held
+
+    class Cycle:
+        pass
+
+    gc.disable()
+    cycle = Cycle()
+    cycle.itself = cycle
+    alive = weakref.ref(cycle)
+    del cycle
+    gc.enable()
+    with garbage_collection_held(collect=False):
+        assert alive() is not None, "not collected first"
+        assert not gc.isenabled(), "no collection inside"
+    assert gc.isenabled()
+    gc.collect()
+    assert alive() is None

@@ -7,8 +7,6 @@ stepped independently; a resumed run must keep the privacy it spent.
 
 from __future__ import annotations
 
-import warnings
-
 import lightning as L
 import pytest
 import torch
@@ -172,15 +170,6 @@ def test_clear_errors(tmp_path) -> None:
     strategy = TinyBackpropStrategy(memory_budget=None, dp="ghost", noise_multiplier=1.0)
     with pytest.raises(PerSampleLossError, match=r"training_step must return the per-sample loss.*got shape \(\)"):
         fit(Regressor(per_sample=False), strategy, tmp_path, max_steps=1)
-
-
-def test_a_budget_with_a_bookkeeping_mode_warns_that_the_plan_cannot_help() -> None:
-    with pytest.warns(UserWarning, match="no plan can recompute away"):
-        TinyBackpropStrategy(dp="flash_bookkeeping", noise_multiplier=1.0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        TinyBackpropStrategy(dp="ghost", noise_multiplier=1.0)
-        TinyBackpropStrategy(dp="bookkeeping", memory_budget=None, noise_multiplier=1.0)
 
 
 def test_resume_with_target_epsilon_recalibrates_for_the_remaining_steps(tmp_path) -> None:

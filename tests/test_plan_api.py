@@ -217,6 +217,23 @@ def test_batch_ceiling_plans_once_for_every_batch_size() -> None:
         assert all(torch.equal(planned[batch][1][k], grads[k]) for k in grads)
 
 
+def test_a_batch_below_the_ceiling_is_metered_against_the_budget() -> None:
+    """Under Poisson sampling the plan is made for the ceiling and most steps are smaller: such a
+    step is still metered, and checked against the budget (its prediction is for the ceiling)."""
+    model, _, _ = make_case(UNET)
+    model.zero_grad(set_to_none=True)
+    plan = Plan(model, 0.6, batch_ceiling=4, measure=True)
+    try:
+        training_step(model, UNET, (torch.randn(2, 3, 32, 32), torch.arange(2) * 7), {})
+        checked = plan.finish_measurement()
+        assert checked is not None and checked.batch_size == 4 and checked.measured_batch_size == 2
+        assert not checked.measured_at_planned_batch
+        assert 0 < checked.measured_peak_bytes < checked.predicted_peak_bytes <= checked.budget_bytes
+        assert "at batch 2 of up to 4, within the budget" in plan.report(checked)
+    finally:
+        plan.remove()
+
+
 def test_agreement_sees_every_plan_and_its_errors() -> None:
     """The hook the distributed strategies use: every new plan, or the error, passes through it."""
     model, args, kwargs = make_case(UNET)

@@ -234,3 +234,43 @@ def test_each_block_is_priced_at_its_measured_forward() -> None:
     branched = trace()  # the timing forward made other calls than the profile: one factor for all
     _scale_to_framework(branched, 16.0, [8.0, 3.0])
     assert branched.event_cost == [2.0] * 8
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_dp_strategies_hold_half_the_naive_dp_step(mode: str, tmp_path) -> None:
+    """Through the strategy, a DP run at budget 0.5 (of the naive DP step) is metered within its
+    budget on every batch shape it planned for, with no re-plan: ghost's two passes and
+    bookkeeping's book (with its checkpointed blocks replayed) are part of the plan."""
+    import lightning as L
+    from models import Denoiser, tiny_unet
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_tbp import TinyBackpropStrategy
+    from lightning_tbp.remat import Option
+
+    class PrivateDenoiser(Denoiser):
+        def training_step(self, batch, batch_idx):
+            (x,) = batch
+            t = torch.arange(x.shape[0]) * 97 % 1000
+            noise = torch.randn_like(x)
+            return (self(x + noise, t) - noise).square().mean(dim=(1, 2, 3))
+
+    torch.manual_seed(0)
+    # sample rate 1: every Poisson batch is the whole set, the batch the plan was made for, so
+    # the metered step is comparable with the prediction, not only with the budget
+    data = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    strategy = TinyBackpropStrategy(memory_budget=0.5, dp=mode, noise_multiplier=1.0, max_grad_norm=1.0)
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(PrivateDenoiser(tiny_unet()), DataLoader(TensorDataset(data), batch_size=4))
+    metered = [p for p in strategy.plan.shape_plans.values() if p.measured_peak_bytes is not None]
+    assert metered
+    for shape_plan in metered:
+        assert Option.FULL in shape_plan.options.values()
+        assert shape_plan.measured_at_planned_batch
+        assert shape_plan.measured_peak_bytes <= shape_plan.budget_bytes
+        assert abs(shape_plan.measured_peak_bytes / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
+        assert shape_plan.correction == 1.0  # held at the first try

@@ -42,6 +42,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
+from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder
 from lightning_tbp.remat.step import BackwardPass, StepModel, TapNote, note_tap, register_step_model
 
 log = logging.getLogger("lightning_tbp")
@@ -86,6 +87,7 @@ class _Tap(torch.autograd.Function):
         # ``anchor`` (a leaf of the engine's own) makes the output require grad even when nothing
         # upstream does: the parameters themselves enter the op detached.
         ctx.slot = slot
+        ctx.replayed = recorded_call() is not None  # its block runs again after the backward
         ctx.save_for_backward(*saved)
         return output.view_as(output)
 
@@ -93,7 +95,7 @@ class _Tap(torch.autograd.Function):
     @override
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
-        ctx.slot.engine._receive(ctx.slot, saved, grad_output)
+        ctx.slot.engine._receive(ctx.slot, saved, grad_output, ctx.replayed)
         return (None, None, grad_output, *([None] * len(saved)))
 
 
@@ -141,12 +143,15 @@ class DPEngine:
         self._norm_sq: Tensor | None = None
         self._pending: dict[int, Tensor] = {}
         self._book: list[tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]] = []
+        self._replays: list[CheckpointedCall] = []  # checkpointed blocks the backward reached, in its order
         self._violations: list[str] = []
         self._held: dict[int, int] = {}  # storage -> references the engine holds (for ``buffers``)
         self._warned_masked = False
         self._slots = self._install()
         self._attached = True
         register_step_model(list(module.modules()), self.step_model)
+        if STEP_PASSES[mode] == 1:
+            register_checkpoint_recorder(list(module.modules()), self)
 
     # -- installation ---------------------------------------------------------------------------
 
@@ -177,7 +182,7 @@ class DPEngine:
         if STEP_PASSES[self.mode] == 2:
             norms = BackwardPass(retains_graph=True, parameter_gradients=False, tap_transient="norm")
             return StepModel((probe, norms, BackwardPass(tap_transient="sum")), name=f"dp:{self.mode}")
-        book = BackwardPass(parameter_gradients=False, books_taps=True, tap_transient="norm")
+        book = BackwardPass(parameter_gradients=False, books_taps=True, tap_transient="norm", replays_checkpoints=True)
         return StepModel((probe, book), name=f"dp:{self.mode}")
 
     def tracks(self, param: nn.Parameter) -> bool:
@@ -197,6 +202,7 @@ class DPEngine:
         self._slots = []
         self._attached = False
         register_step_model(list(self.module.modules()), None)
+        register_checkpoint_recorder(list(self.module.modules()), None)
 
     @property
     def parameters(self) -> list[nn.Parameter]:
@@ -271,8 +277,10 @@ class DPEngine:
                         self._clipped_sum(entry, saved, grads, coef)
                         self._release(*saved, *grads)
                         del saved, grads
+                self._replay_checkpoints(coef)
         finally:
             self._phase, self._book, self._pending, self._norm_sq, self._held = None, [], {}, None, {}
+            self._replays = []
             self.buffers.current_bytes = _bytes((self.per_sample_norms, self.clip_coefficients))
             self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
         if add_noise:
@@ -342,8 +350,9 @@ class DPEngine:
                     "per sample, and dim 0 of what a trainable parameter meets must be the batch"
                 )
 
-    def _receive(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor) -> None:
-        """One layer call's output gradient, in whichever pass is running."""
+    def _receive(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, replayed: bool) -> None:
+        """One layer call's output gradient, in whichever pass is running (``replayed``: the layer
+        sits in a recorded checkpoint, whose replay forms its clipped sum: nothing is booked)."""
         if self._phase is None or slot.engine is not self:
             return  # a backward outside ``DPEngine.backward`` (e.g. a planner's profiling run)
         self._check_rows(f"module {slot.name!r}", (grad_output,))
@@ -361,12 +370,12 @@ class DPEngine:
             self._norm_sq += slot.handler.norm_sq(
                 slot.module, saved, grad_output, self._method(slot, saved, grad_output)
             )
-        if self._phase == "book":
+        if self._phase == "book" and not replayed:
             self._book.append((slot, saved, (grad_output,)))
             self._hold(*saved, grad_output)
 
-    def receive_use(self, use: RawUse, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...]) -> None:
-        """One tracked use's output gradients, in whichever pass is running."""
+    def receive_use(self, use: RawUse, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], replayed: bool) -> None:
+        """One tracked use's output gradients, in whichever pass is running (``replayed``: as ``_receive``)."""
         if self._phase is None or use.owner is not self:
             return
         names = ", ".join(self.describe_param(p) for p in use.params)
@@ -392,9 +401,51 @@ class DPEngine:
         else:
             for grad in per_sample.values():
                 self._norm_sq += grad.flatten(1).float().square().sum(dim=1)
-        if self._phase == "book":
+        if self._phase == "book" and not replayed:
             self._book.append((use, saved, grads))
             self._hold(*saved, *grads)
+
+    # -- checkpoints replayed after the backward (bookkeeping with a plan, ``remat/replay.py``) -----
+
+    def record_checkpoint(self, call: CheckpointedCall) -> bool:
+        """Bookkeeping takes every fully checkpointed block a forward offers: the book then keeps
+        only the block's inputs and output gradient, not the operands of each layer inside."""
+        return self._attached and self._phase is None
+
+    def checkpoint_output_grad(self, call: CheckpointedCall, index: int, grad: Tensor) -> None:
+        """The gradient at a recorded block's output: probed for its rows, kept by the book pass."""
+        where = "the output of a checkpointed block"
+        if self._phase == "probe":
+            self._probe_rows(where, (grad,))
+            return
+        if self._phase != "book":
+            return  # a retained pass or a backward outside ``DPEngine.backward``
+        self._check_rows(where, (grad,))
+        if not call.output_grads:
+            self._replays.append(call)
+            self._hold(*call.inputs)
+        call.output_grads[index] = grad
+        self._hold(grad)
+
+    def _replay_checkpoints(self, coef: Tensor) -> None:
+        """Each recorded block again, forward and backward from its output gradient scaled by each
+        sample's clipping coefficient: the layers inside receive ``c_i g_i`` and add their clipped sums."""
+        self._phase = "sum"
+        while self._replays:
+            call = self._replays.pop(0)  # the last block first, as the backward met them
+            outputs = call.rerun()
+            weighted = {i: g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) for i, g in call.output_grads.items()}
+            self._release(*call.output_grads.values())
+            call.output_grads.clear()  # the unweighted gradients die here, unless something else holds them
+            self._hold(*weighted.values())
+            reached = [i for i in weighted if outputs[i].requires_grad]
+            if reached:
+                torch.autograd.grad(
+                    [outputs[i] for i in reached], [self.anchor], [weighted[i] for i in reached], allow_unused=True
+                )
+            self._release(*call.inputs, *weighted.values())
+            call.inputs = ()  # the graph's hooks keep ``call`` until the loss is dropped; its tensors go now
+            del outputs, weighted, call
 
     def _probe_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:
         for grad in grads:

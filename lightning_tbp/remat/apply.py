@@ -4,6 +4,10 @@ Each planned module gets an instance-level ``forward`` that calls the class ``fo
 checkpoint; deleting that attribute restores the module exactly (its parameters, buffers,
 state_dict and hooks are never touched). A wrapper reads its option from a shared table at
 call time, so switching between plans cached for different input shapes costs nothing.
+
+A full checkpoint that no other planned block encloses is offered to the step's checkpoint
+recorder, if one is registered for the module (a bookkeeping DP engine, ``replay.py``): the
+recorder keeps the call to run it again after the backward.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch.utils.flop_counter import flop_registry
 from lightning_tbp.compat import OpOverload, op_packet, tree_flatten, tree_unflatten
 from lightning_tbp.remat.flops import FLOP_FORMULAS
 from lightning_tbp.remat.lazy import lazy_recompute
+from lightning_tbp.remat.replay import CheckpointedCall, inside_planned_block, recorder_for, recording, watch_outputs
 from lightning_tbp.remat.simulate import Option
 
 
@@ -63,14 +68,21 @@ def _checkpointed_forward(
         if option == Option.KEEP or not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if option == Option.LAZY:
-            with lazy_recompute():
+            with lazy_recompute(), inside_planned_block():
                 return original(*args, **kwargs)
         extra = {}
         if option == Option.SELECTIVE:
             limit = cache_limits[path]
             extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
         call, tensors = _positional_call(original, args, kwargs)
-        return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
+        recorder = recorder_for(module) if option == Option.FULL else None
+        recorded = CheckpointedCall.capture(call, tensors) if recorder is not None else None
+        if recorded is None or not recorder.record_checkpoint(recorded):
+            return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
+        with recording(recorded):
+            outputs = checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True)
+        watch_outputs(recorded, outputs, recorder)
+        return outputs
 
     return forward
 
@@ -92,7 +104,8 @@ def _positional_call(function: Callable[..., Any], args: tuple, kwargs: dict) ->
         for position, tensor in zip(positions, tensors, strict=True):
             filled[position] = tensor
         call_args, call_kwargs = tree_unflatten(filled, spec)
-        return function(*call_args, **call_kwargs)
+        with inside_planned_block():  # also in the backward's recomputation, wherever it runs
+            return function(*call_args, **call_kwargs)
 
     return call, [leaves[i] for i in positions]
 

@@ -118,6 +118,7 @@ class Plan:
         self._calibration: Calibration | None = None
         self._meter = StepMeter()
         self._metered: ShapePlan | None = None  # the plan whose step the meter is on
+        self._metered_batch: int | None = None  # and that step's batch
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
         self._active: dict[str, Option] = {}
         self._cache_limits: dict[str, int] = {}
@@ -145,9 +146,9 @@ class Plan:
             self._check_ceiling(batch)
         if self.measure and (fresh or key in self._meter_next):
             self._meter_next.discard(key)
-            self._metered = shape_plan  # checked after this step (metered if it can be)
-            # a smaller batch than the profiled one cannot be checked against the prediction
-            if batch == shape_plan.batch_size and self._comparable_step():
+            self._metered, self._metered_batch = shape_plan, batch  # checked after this step (metered if it can be)
+            # a batch below the profiled ceiling (Poisson sampling) is checked against the budget only
+            if self._comparable_step():
                 self._meter.start(_device_of(self.module, args, kwargs))
         self._activate(shape_plan)
         return shape_plan
@@ -262,7 +263,7 @@ class Plan:
         peak = self._meter.stop()
         shape_plan, self._metered = self._metered, None
         if shape_plan is not None and peak is not None:
-            shape_plan.measured_peak_bytes = peak
+            shape_plan.measured_peak_bytes, shape_plan.measured_batch_size = peak, self._metered_batch
         return shape_plan
 
     @property

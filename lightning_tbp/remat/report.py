@@ -38,10 +38,12 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         )
     if sp.measured_peak_bytes is not None:
         within = "within" if sp.measured_peak_bytes <= sp.budget_bytes else "OVER"
-        lines.append(
-            f"measured peak {format_bytes(sp.measured_peak_bytes)} = "
-            f"{sp.measured_peak_bytes / sp.predicted_peak_bytes:.3f} of predicted, {within} the budget"
+        against = (
+            f"{sp.measured_peak_bytes / sp.predicted_peak_bytes:.3f} of predicted"
+            if sp.measured_at_planned_batch
+            else f"at batch {sp.measured_batch_size} of up to {sp.batch_size}"
         )
+        lines.append(f"measured peak {format_bytes(sp.measured_peak_bytes)} = {against}, {within} the budget")
     lines.append(
         f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a training "
         f"step's FLOPs; the plan adds about {sp.recompute_time_ratio:.3f} of the step's time (est.); profiled in "
@@ -63,6 +65,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
         "predicted_peak_at": sp.peak_block,
         "measured_peak_bytes": sp.measured_peak_bytes,
+        "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,
         "parameter_grad_bytes": sp.parameter_grad_bytes,
         "forward_flops": sp.forward_flops,

@@ -60,6 +60,14 @@ class ShapePlan:
     solve_seconds: float = 0.0
     correction: float = 1.0  # measured over predicted peak folded into a re-plan (1: none)
     measured_peak_bytes: int | None = None  # filled when the plan's step is metered
+    measured_batch_size: int | None = None  # that step's batch: below ``batch_size``, only the budget is comparable
+
+    @property
+    def measured_at_planned_batch(self) -> bool:
+        """Whether the metered step had the batch the plan was profiled with (then the prediction
+        is comparable too; a smaller Poisson batch under a plan made for the ceiling is checked
+        against the budget only)."""
+        return self.measured_batch_size is None or self.measured_batch_size == self.batch_size
 
     @property
     def predicted_peak_bytes(self) -> int:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
-from lightning_tbp.remat.step import PLAIN_STEP, StepModel, TapNote
+from lightning_tbp.remat.step import PLAIN_STEP, BackwardPass, StepModel, TapNote
 from lightning_tbp.remat.trace import Trace
 
 #: Ops whose backward hands each input a slice *view* of the output gradient: an input's
@@ -68,6 +68,9 @@ class Option(IntEnum):
 
 
 _CHECKPOINTS = (Option.FULL, Option.SELECTIVE)
+#: A deferred block's replay after the book (``step.BackwardPass.replays_checkpoints``): its
+#: taps form their clipped sums as the backward reaches them.
+_REPLAY_PASS = BackwardPass(parameter_gradients=False, tap_transient="sum")
 
 
 @dataclass
@@ -276,6 +279,8 @@ class _Replay:
         self.book: list[tuple[list[int], int, TapNote]] = []  # bookkeeping: (holds, output grad, tap)
         self.pending: dict[int, int] = {}  # layers called more than once: bytes of per-sample gradients
         self.booked_grads: set[int] = set()
+        self.deferred: list[tuple[int, list[int]]] = []  # replayed checkpoints: (block, output grads kept)
+        self.deferring = False  # inside such a block's backward: its taps book nothing
 
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
@@ -367,8 +372,11 @@ class _Replay:
         self.mem += self.size(sid)
 
     # -- phases ---------------------------------------------------------------------------------
-    def forward(self, region: int, lo: int, hi: int, recompute: bool) -> None:
-        """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids."""
+    def forward(self, region: int, lo: int, hi: int, recompute: bool, keep: tuple[int, ...] = ()) -> list[int]:
+        """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids.
+
+        ``keep``: storages whose recomputed copies the caller still references when the
+        recomputation returns (a replayed block's outputs); returns their new ids."""
         sim, trace, options = self.sim, self.trace, self.options
         selective_recompute = recompute and options[region] == Option.SELECTIVE
         cache_end = sim.cache_end[region]
@@ -424,10 +432,13 @@ class _Replay:
                 self.maybe_free(sid)
         if recompute and hi < sim.last[region]:
             self.pack_at_stop(region, hi + 1, mapped)
+        kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
         if recompute:  # the recomputed function's own results are dropped when it returns
             for sid in remap.values():
-                self.python_refs.discard(sid)
-                self.maybe_free(sid)
+                if sid not in kept:
+                    self.python_refs.discard(sid)
+                    self.maybe_free(sid)
+        return kept
 
     def charge(self, option: Option, nanoseconds: float) -> None:
         """Add a cost of ``option``, scaled by what calibration measured against the model's estimate."""
@@ -476,10 +487,44 @@ class _Replay:
             self.booked_grads.discard(grad)
             self.free_grad(grad)
         self.book = []
+        for block, grads in self.deferred:
+            self.replay_block(block)
+            self.release(self.node_inputs.pop(block, []))
+            for sid in grads:
+                self.booked_grads.discard(sid)
+                self.free_grad(sid)
+        self.deferred = []
         for sid in [s for s in self.grads if self.sim.is_activation[s]]:
             self.free_grad(sid)
         self.mem -= sum(self.pieces.values())
         self.pieces = {}
+
+    def defers(self, block: int, region: int) -> bool:
+        """Whether this pass replays ``block`` after its book instead of booking the taps inside."""
+        if not (self.pass_.replays_checkpoints and region == 0 and self.options[block] == Option.FULL):
+            return False
+        parent = self.sim.parent[block]
+        while parent >= 0:  # the runtime records only blocks no other planned block encloses
+            if self.options[parent] != Option.KEEP:
+                return False
+            parent = self.sim.parent[parent]
+        return True
+
+    def replay_block(self, block: int) -> None:
+        """A deferred block again: its forward from the kept inputs (inner checkpoints as planned),
+        then its backward from the kept output gradients, writing its taps' clipped sums."""
+        sim, trace = self.sim, self.trace
+        outer_pass, outer_region = self.pass_, self.region
+        self.pass_, self.region = _REPLAY_PASS, block
+        outputs = self.forward(
+            block, sim.first[block], sim.last[block], recompute=True, keep=trace.nodes[block].outputs
+        )
+        self.backward(block, sim.first[block], sim.last[block])
+        self.recompute_cost += sum(trace.event_backward_cost[sim.first[block] : sim.last[block] + 1])
+        for sid in outputs:
+            self.python_refs.discard(sid)
+            self.maybe_free(sid)
+        self.pass_, self.region = outer_pass, outer_region
 
     def free_grad(self, sid: int) -> None:
         """The gradient of ``sid`` is released (its buffer may live on in views of it)."""
@@ -512,14 +557,23 @@ class _Replay:
                 continue
             self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1
             outer_region, self.region = self.region, ctx
+            defers = self.defers(ctx, region)
+            if defers:  # its output gradients stay, with its inputs, for the replay
+                grads = [sid for sid in trace.nodes[ctx].outputs if sid in self.grads]
+                self.booked_grads.update(grads)
+                self.deferred.append((ctx, grads))
+                self.deferring = True
             self.forward(ctx, sim.first[ctx], self.early_stop_end(ctx), recompute=True)
             self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
             self.backward(ctx, sim.first[ctx], sim.last[ctx])
             recomputed = ctx in self.recomputed_nodes
             self.recomputed_nodes.discard(ctx)
-            kept = self.release_or_retain(self.node_inputs.pop(ctx, []), recomputed)
-            if kept:
-                self.node_inputs[ctx] = kept
+            if defers:
+                self.deferring = False
+            else:
+                kept = self.release_or_retain(self.node_inputs.pop(ctx, []), recomputed)
+                if kept:
+                    self.node_inputs[ctx] = kept
             self.region = outer_region
             event = sim.first[ctx] - 1
 
@@ -591,7 +645,9 @@ class _Replay:
         holds = self.event_holds.pop(event, [])
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)
-        if tap is not None and self.pass_.books_taps and tap.output_sid in self.grads:
+        if tap is not None and "sum" in self.pass_.tap_transient and self.pass_ is _REPLAY_PASS:
+            self.mem += tap.parameter_bytes  # the replay writes its clipped sum into the gradients
+        if tap is not None and self.pass_.books_taps and not self.deferring and tap.output_sid in self.grads:
             if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book
                 kept = self.next_sid
                 self.next_sid += 1

@@ -4,7 +4,8 @@ A plain step backpropagates once and frees each saved tensor as its op's backwar
 engine attached to the module changes that (``lightning_tbp.privacy``): ghost and flash clipping
 backpropagate the graph twice, the first pass retaining everything it saved and writing no
 parameter gradients; bookkeeping keeps each clipped layer's saved input and output gradient
-until the backward ends, then forms the parameter gradients one layer at a time; every mode
+until the backward ends (except inside full checkpoints, which it replays: ``replay.py``), then
+forms the parameter gradients one layer at a time; every mode
 probes per-sample independence with one extra retained pass on a new graph structure.
 
 The planner must simulate *that* step, or a plan made with an engine attached overshoots its
@@ -39,6 +40,10 @@ class BackwardPass:
     tap_transient: str = ""
     """Which transient of the taps the pass pays at each tap's backward: "norm", "sum" or both
     ("norm+sum"); empty for none."""
+    replays_checkpoints: bool = False
+    """With ``books_taps``: a fully checkpointed block that no other planned block encloses books
+    nothing; it keeps its inputs and its outputs' gradient until the pass ends, and after the
+    book it runs again, forward and backward, one block at a time (``replay.py``)."""
 
 
 @dataclass(frozen=True)

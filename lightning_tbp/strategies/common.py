@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tbp.memory.held import HeldMemory, held_memory
-from lightning_tbp.privacy import BACKWARD_PASSES, STEP_PASSES, BufferStats
+from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
@@ -117,15 +117,6 @@ class TinyBackpropMixin:
         # fail on bad options before training
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
         self.privacy = _private_training(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
-        if self.privacy is not None and self.memory_budget is not None and STEP_PASSES[dp] == 1:
-            warnings.warn(
-                f"lightning_tbp: dp={dp!r} keeps every clipped layer's input until the backward ends, which no "
-                "plan can recompute away: the plan (which models this) lowers the peak only by the other saved "
-                "tensors (norms, activations) and costs recompute time. To train privately in the least memory, "
-                "use dp='ghost' or 'flash' with the budget; to keep this mode without a plan, pass "
-                "memory_budget=None (docs/privacy.md)",
-                stacklevel=3,
-            )
         self.target = target
         self.plan: Plan | None = None
         self._reported: set[int] = set()
@@ -290,18 +281,24 @@ class TinyBackpropMixin:
         """The measured peak against the prediction and the budget: logged, and over the budget
         (on any process) re-planned with the measured error folded in, on every process alike."""
         measured = checked.measured_peak_bytes
-        ratio = (
-            0.0 if measured is None else max(measured / checked.predicted_peak_bytes, measured / checked.budget_bytes)
-        )
+        comparable = checked.measured_at_planned_batch  # else the prediction was for a larger batch
+        ratio = 0.0 if measured is None else measured / checked.budget_bytes
+        if measured is not None and comparable:
+            ratio = max(ratio, measured / checked.predicted_peak_bytes)
         over = float(measured is not None and measured > checked.budget_bytes)
         if self.world_size > 1:  # one decision for all processes: the worst of them
             ratio, over = (
                 float(self.reduce(torch.tensor(v, device=self.root_device), reduce_op="max")) for v in (ratio, over)
             )
         if measured is not None:
+            against = (
+                f"vs predicted {format_bytes(checked.predicted_peak_bytes)} "
+                f"({measured / checked.predicted_peak_bytes:.3f}x)"
+                if comparable
+                else f"at batch {checked.measured_batch_size} (planned for up to {checked.batch_size})"
+            )
             rank_zero_info(
-                f"tiny_backprop: measured peak {format_bytes(measured)} vs predicted "
-                f"{format_bytes(checked.predicted_peak_bytes)} ({measured / checked.predicted_peak_bytes:.3f}x), "
+                f"tiny_backprop: measured peak {format_bytes(measured)} {against}, "
                 f"{'within' if measured <= checked.budget_bytes else 'OVER'} the budget "
                 f"{format_bytes(checked.budget_bytes)} on rank 0"
             )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import dp_plan_time
 import hfu
 import high_res
 import unet_mem_bench
@@ -158,6 +159,21 @@ def test_high_res_and_hfu_write_their_json(tmp_path) -> None:
     naive, planned = result["rows"]
     assert naive["hfu"] == pytest.approx(naive["mfu"])
     assert planned["model_flops"] == naive["hardware_flops"] and planned["hardware_flops"] >= naive["hardware_flops"]
+
+
+@pytest.mark.slow
+def test_dp_plan_time_holds_budgets_and_keeps_gradients(tmp_path) -> None:
+    dp_plan_time.main(["--trials", "1", "--warmup", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "dp_plan_time.json").read_text())
+    assert set(result["machine"]) >= REQUIRED_MACHINE
+    rows = result["rows"]
+    assert [(r["mode"], r["plan_budget"]) for r in rows] == [
+        (mode, budget) for mode in ("vanilla", "ghost", "bookkeeping") for budget in (None, 0.5)
+    ]
+    for row in rows:
+        assert row["grad_max_rel_diff"] < 1e-5, row
+        if row["plan_budget"] is not None:
+            assert row["measured_over_budget"] <= 1.0 and abs(row["measured_over_predicted"] - 1) <= 0.05, row
 
 
 RESULT = {

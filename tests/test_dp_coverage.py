@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_tbp.privacy import MODES, CoverageError, PerSampleLossError, UnsupportedLayerError, attach
+from lightning_tbp.remat import Option
+from lightning_tbp.remat.apply import InstalledWrappers
 
 B, T, D = 5, 4, 8  # no two alike, so a layout mix-up cannot pass for the batch
 
@@ -307,10 +309,17 @@ def _assert_exact(model: nn.Module, engine, expected: dict, norms: torch.Tensor)
         )
 
 
-def check_model(model: nn.Module, batch: dict, mode: str, refused: list[type[Block]]) -> None:
-    """The engine's clipped sum equals the reference, or (with a refused block) it raises naming it."""
+def check_model(
+    model: nn.Module, batch: dict, mode: str, refused: list[type[Block]], checkpointed: frozenset[int] = frozenset()
+) -> None:
+    """The engine's clipped sum equals the reference, or (with a refused block) it raises naming it.
+
+    ``checkpointed``: indices of blocks run under full checkpoints (which bookkeeping replays
+    after its backward) in the exact case."""
     model.train()
     engine = None
+    paths = [f"blocks.{i}" for i in sorted(checkpointed) if i < len(model.blocks)]
+    wrappers = InstalledWrappers(model, dict.fromkeys(paths, Option.FULL), {})
     try:
         if refused:
             with pytest.raises((CoverageError, PerSampleLossError, UnsupportedLayerError)) as caught:
@@ -324,6 +333,7 @@ def check_model(model: nn.Module, batch: dict, mode: str, refused: list[type[Blo
         norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
         threshold = float(norms.median())
         expected, _ = clipped_sum(grads, threshold)
+        wrappers.ensure(paths)
         engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
         model.zero_grad(set_to_none=True)
         engine.backward(_loss(model, batch))
@@ -331,6 +341,7 @@ def check_model(model: nn.Module, batch: dict, mode: str, refused: list[type[Blo
     finally:
         if engine is not None:
             engine.detach()
+        wrappers.remove()
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -338,13 +349,15 @@ def check_model(model: nn.Module, batch: dict, mode: str, refused: list[type[Blo
     kinds=st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=4),
     mode=st.sampled_from(MODES),
     seed=st.integers(0, 2**16),
+    checkpointed=st.frozensets(st.integers(0, 3)),
 )
-def test_random_models_are_clipped_exactly_or_refused_by_name(kinds, mode, seed) -> None:
+def test_random_models_are_clipped_exactly_or_refused_by_name(kinds, mode, seed, checkpointed) -> None:
+    """Random compositions, some blocks under full checkpoints (replayed by bookkeeping)."""
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         model = Composed(kinds)
-    check_model(model, _batch(seed), mode, [k for k in kinds if k.refused])
+    check_model(model, _batch(seed), mode, [k for k in kinds if k.refused], checkpointed)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -356,6 +369,7 @@ def test_every_block_kind_alone(mode: str) -> None:
             warnings.simplefilter("ignore", FutureWarning)
             model = Composed([kind])
         check_model(model, _batch(0), mode, [kind] if kind.refused else [])
+        check_model(model, _batch(0), mode, [kind] if kind.refused else [], checkpointed=frozenset({0}))
 
 
 # -- the defects found by hand, one test each ---------------------------------------------------

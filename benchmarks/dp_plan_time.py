@@ -1,14 +1,15 @@
 """DP modes under a rematerialization plan, timed in turns in one process.
 
-For each DP mode (and non-private training) the same DiT (``dit_dp_bench.py``'s profiles) runs
-without a plan and with a plan at ``--budget`` of that mode's naive step. Every run gets its own
-copy of the model (same weights) and its own engine. Per run: the exact allocator peak of one
-step that starts without gradients, the plan's budget and predicted peak, the largest gradient
-difference from the same mode without a plan (noise 0, so the clipped sums must agree), and the
-median step time over ``--trials`` rounds in which every run takes one step in turn (so drift on
-a shared machine hits all runs alike):
+For each DP mode (and non-private training) the same model runs without a plan and with a plan
+at ``--budget`` of that mode's naive step, every run on its own copy of the model (same weights)
+with its own engine. Per run: the exact allocator peak of one step that starts without
+gradients, the plan's budget and predicted peak, the largest gradient difference from the same
+mode without a plan (noise 0, so the clipped sums must agree), and the median step time over
+``--trials`` rounds in which every run takes one step in turn (so drift on a shared machine hits
+all runs alike):
 
-    python benchmarks/dp_plan_time.py --out docs/benchmarks/dp_plan_time
+    python benchmarks/dp_plan_time.py --out docs/benchmarks/dp_plan_time                # dit_dp_bench.py's DiT
+    python benchmarks/dp_plan_time.py --arch unet2d --out docs/benchmarks/dp_plan_time  # a zoo architecture
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import argparse
 import copy
 import gc
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from common import grads_of, median_times_in_turns
 from dit_dp_bench import PROFILES, build_dit
+from zoo_models import BENCH_ONLY, ZOO, sample
 
 from lightning_tbp.environment import machine_info
 from lightning_tbp.memory import measure_peak
@@ -30,9 +33,10 @@ from lightning_tbp.privacy import attach
 from lightning_tbp.remat import Plan
 
 MODES = ("vanilla", "ghost", "bookkeeping")
+Forward = Callable[[torch.nn.Module], torch.Tensor]
 
 
-def make_run(model: torch.nn.Module, mode: str, budget: float | None, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+def make_run(model: torch.nn.Module, forward: Forward, target: torch.Tensor, mode: str, budget: float | None) -> dict:
     """One (mode, plan) run on its own copy of ``model``: its step, engine and plan."""
     model = copy.deepcopy(model)
     engine = None if mode == "vanilla" else attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
@@ -40,14 +44,28 @@ def make_run(model: torch.nn.Module, mode: str, budget: float | None, batch: dic
     plan = None if budget is None else Plan(model, budget, backward_passes=passes)
 
     def step() -> None:
-        out = model(batch["x"], timestep=batch["t"], class_labels=batch["labels"]).sample
-        per_sample = (out - batch["target"]).square().flatten(1).mean(dim=1)
+        per_sample = (forward(model).float() - target).square().flatten(1).mean(dim=1)
         if engine is None:
             per_sample.sum().backward()
         else:
             engine.backward(per_sample)
 
     return {"mode": mode, "budget": budget, "model": model, "engine": engine, "plan": plan, "step": step}
+
+
+def workload(arch: str, profile: str, batch: int) -> tuple[torch.nn.Module, Forward, torch.Tensor, dict[str, Any]]:
+    """The model (eval mode: a planned and an unplanned step must agree), its call and target."""
+    torch.manual_seed(0)
+    if arch == "dit":
+        config = {**PROFILES[profile], "profile": profile, "batch": batch}
+        model = build_dit(config).eval()
+        size, channels = config["image_size"], config["channels"]
+        x = torch.randn(batch, channels, size, size)
+        t, labels = torch.randint(0, 1000, (batch,)), torch.randint(0, config["classes"], (batch,))
+        return model, lambda m: m(x, timestep=t, class_labels=labels).sample, torch.randn_like(x), config
+    case = {**ZOO, **BENCH_ONLY}[arch].case(batch=batch)
+    config = {"arch": arch, "batch": batch}
+    return case.model.eval(), lambda m: sample(m(*case.args, **case.kwargs)), case.target, config
 
 
 def measure(run: dict[str, Any], warmup: int) -> None:
@@ -70,6 +88,7 @@ def _largest_difference(grads: dict[str, torch.Tensor], reference: dict[str, tor
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", default="dit", help="dit (dit_dp_bench.py's, see --profile) or a zoo architecture")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="small")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budget", type=float, default=0.5, help="fraction of each mode's naive step")
@@ -78,18 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("outputs/dp_plan_time"))
     args = parser.parse_args(argv)
 
-    config = {**PROFILES[args.profile], "profile": args.profile, "batch": args.batch}
-    torch.manual_seed(0)
-    model = build_dit(config).eval()  # no dropout: a planned and an unplanned step must agree
-    size, channels = config["image_size"], config["channels"]
-    x = torch.randn(args.batch, channels, size, size)
-    batch = {
-        "x": x,
-        "target": torch.randn_like(x),
-        "t": torch.randint(0, 1000, (args.batch,)),
-        "labels": torch.randint(0, config["classes"], (args.batch,)),
-    }
-    runs = [make_run(model, mode, budget, batch) for mode in MODES for budget in (None, args.budget)]
+    model, forward, target, config = workload(args.arch, args.profile, args.batch)
+    runs = [make_run(model, forward, target, mode, budget) for mode in MODES for budget in (None, args.budget)]
     for run in runs:
         measure(run, args.warmup)
     seconds = median_times_in_turns([(run["model"], run["step"]) for run in runs], args.trials, torch.device("cpu"))
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {**config, "budget": args.budget, "trials": args.trials}
     result = {"config": settings, "rows": rows, "machine": machine_info()}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dp_plan_time.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"dp_plan_time_{args.arch}.json").write_text(json.dumps(result, indent=2))
     for row in rows:
         plan = "no plan" if row["plan_budget"] is None else f"plan {row['plan_budget']}"
         extra = f", {row['measured_over_budget']:.3f} of budget" if "measured_over_budget" in row else ""

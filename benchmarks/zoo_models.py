@@ -32,7 +32,7 @@ class Architecture:
         generator = torch.Generator().manual_seed(seed + 1)
         args, kwargs = self.inputs(generator, batch)
         with torch.no_grad():
-            out = _sample(model(*args, **kwargs))
+            out = sample(model(*args, **kwargs))
         target = torch.randn(out.shape, generator=generator)
         return ZooCase(self, model, args, kwargs, target)
 
@@ -48,14 +48,15 @@ class ZooCase:
     target: torch.Tensor
 
     def loss(self, forward: Callable[..., Any] | None = None) -> torch.Tensor:
-        out = _sample((forward or self.model)(*self.args, **self.kwargs))
+        out = sample((forward or self.model)(*self.args, **self.kwargs))
         return (out.float() - self.target).square().mean()
 
     def step(self, forward: Callable[..., Any] | None = None) -> None:
         self.loss(forward).backward()
 
 
-def _sample(out: Any) -> torch.Tensor:
+def sample(out: Any) -> torch.Tensor:
+    """The tensor a diffusers model returns (its ``.sample``, or the first of a tuple)."""
     if hasattr(out, "sample"):
         return out.sample
     return out[0] if isinstance(out, tuple) else out

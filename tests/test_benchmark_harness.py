@@ -164,7 +164,7 @@ def test_high_res_and_hfu_write_their_json(tmp_path) -> None:
 @pytest.mark.slow
 def test_dp_plan_time_holds_budgets_and_keeps_gradients(tmp_path) -> None:
     dp_plan_time.main(["--trials", "1", "--warmup", "1", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "dp_plan_time.json").read_text())
+    result = json.loads((tmp_path / "dp_plan_time_dit.json").read_text())
     assert set(result["machine"]) >= REQUIRED_MACHINE
     rows = result["rows"]
     assert [(r["mode"], r["plan_budget"]) for r in rows] == [

@@ -20,7 +20,7 @@ from torch import nn
 
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
-from lightning_tbp.remat import Option, rematerialize
+from lightning_tbp.remat import Option, record_trace, rematerialize
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.replay import CheckpointedCall, register_checkpoint_recorder
 
@@ -192,3 +192,49 @@ def test_the_replay_is_what_lowers_the_peak_and_the_plan_predicts_it() -> None:
     assert replayed <= shape_plan.budget_bytes < naive
     assert abs(replayed / shape_plan.predicted_peak_bytes - 1) <= 0.05, (replayed, shape_plan.predicted_peak_bytes)
     assert booked > 1.1 * replayed, (booked, replayed)
+
+
+class Returns(nn.Module):
+    """A block returning its hidden state twice (as diffusers' down blocks return their last
+    state among their skips), or with a view of it."""
+
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.block = Block(16, 0.0)
+        self.view = view
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        h = self.block(x)
+        return h, (h[:, :4] if self.view else h,)
+
+
+class SkipNet(nn.Module):
+    def __init__(self, view: bool) -> None:
+        super().__init__()
+        self.down = Returns(view)
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, (skip,) = self.down(x)
+        return self.head(h) + self.head(skip).sum(dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_an_output_returned_twice_is_replayed_once_and_a_view_is_booked(view: bool, reruns) -> None:
+    """The same tensor twice is one output (its hook sees the whole gradient); outputs sharing
+    memory otherwise are not replayed (a hook's gradient may hold the other's), and the layers
+    inside are booked as usual: the clipped sums are exact either way, and the simulator knows."""
+    torch.manual_seed(0)
+    model = SkipNet(view)
+    data = {"x": torch.randn(6, 8, 16), "y": torch.randn(6, 8, 2)}
+    unplanned = _clipped_step(model, data, autocast=False)
+    wrappers = checkpointed(model, ("down",))
+    try:
+        planned = _clipped_step(model, data, autocast=False)
+    finally:
+        wrappers.remove()
+    assert len(reruns) == (0 if view else 1)
+    for name, grad in unplanned.items():
+        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+    trace = record_trace(model, (data["x"],), {})
+    assert next(node for node in trace.nodes if node.path == "down").replayable is not view

@@ -42,7 +42,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
-from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder
+from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import BackwardPass, StepModel, TapNote, note_tap, register_step_model
 
 log = logging.getLogger("lightning_tbp")
@@ -87,7 +87,7 @@ class _Tap(torch.autograd.Function):
         # ``anchor`` (a leaf of the engine's own) makes the output require grad even when nothing
         # upstream does: the parameters themselves enter the op detached.
         ctx.slot = slot
-        ctx.replayed = recorded_call() is not None  # its block runs again after the backward
+        ctx.recorded = recorded_call()  # its block may run again after the backward
         ctx.save_for_backward(*saved)
         return output.view_as(output)
 
@@ -95,7 +95,7 @@ class _Tap(torch.autograd.Function):
     @override
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
-        ctx.slot.engine._receive(ctx.slot, saved, grad_output, ctx.replayed)
+        ctx.slot.engine._receive(ctx.slot, saved, grad_output, replayed(ctx.recorded))
         return (None, None, grad_output, *([None] * len(saved)))
 
 

@@ -41,7 +41,7 @@ from typing_extensions import override
 
 from lightning_tbp.compat import make_leaf_subclass, tree_flatten, tree_map
 from lightning_tbp.privacy.errors import CoverageError
-from lightning_tbp.remat.replay import recorded_call
+from lightning_tbp.remat.replay import recorded_call, replayed
 from lightning_tbp.remat.step import TapNote, note_tap
 
 #: Ops whose output row i depends only on row i of each batched input (dim 0 kept): their
@@ -382,7 +382,7 @@ class _RawUse(torch.autograd.Function):
     def forward(ctx: Any, use: RawUse, anchor: Tensor, count: int, *tensors: Tensor) -> tuple[Tensor, ...]:
         ctx.use = use
         ctx.count = count
-        ctx.replayed = recorded_call() is not None  # its block runs again after the backward
+        ctx.recorded = recorded_call()  # its block may run again after the backward
         ctx.save_for_backward(*tensors[count:])
         return tuple(t.view_as(t) for t in tensors[:count])
 
@@ -393,7 +393,7 @@ class _RawUse(torch.autograd.Function):
         use: RawUse = ctx.use
         shaped = _shapes(grads, saved, use)
         filled = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, shaped, strict=True))
-        use.owner.receive_use(use, saved, filled, ctx.replayed)
+        use.owner.receive_use(use, saved, filled, replayed(ctx.recorded))
         return (None, None, None, *grads, *([None] * len(saved)))
 
 

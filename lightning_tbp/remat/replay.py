@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_tbp.compat import tree_flatten
+from lightning_tbp.compat import storage_key, tree_flatten
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -54,6 +54,9 @@ class CheckpointedCall:
     autocast: tuple[_AutocastState, ...]
     output_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     """Gradient at each output (by position among the output tensors), filled in by the backward."""
+    replayable: bool = False
+    """Set once the block has run, if its outputs allow a replay (``watch_outputs``); until then,
+    and otherwise, the layers inside keep what they need like any other layer."""
 
     @classmethod
     def capture(cls, function: Callable[..., Any], inputs: list[torch.Tensor]) -> CheckpointedCall:
@@ -82,9 +85,13 @@ class CheckpointedCall:
 
 
 def output_tensors(outputs: Any) -> list[torch.Tensor]:
-    """The tensors in a block's output (a tensor, a tuple, a dataclass), in a fixed order."""
+    """The distinct tensors in a block's output (a tensor, a tuple, a dataclass), in a fixed order.
+
+    A tensor returned twice (diffusers' down blocks return their last hidden state also among
+    their skip outputs) counts once: its hook sees the whole gradient, which the replay must
+    backpropagate once."""
     leaves, _ = tree_flatten(outputs)
-    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    return list({id(leaf): leaf for leaf in leaves if isinstance(leaf, torch.Tensor)}.values())
 
 
 class CheckpointRecorder(Protocol):
@@ -145,15 +152,34 @@ def recording(call: CheckpointedCall) -> Iterator[None]:
 
 def recorded_call() -> CheckpointedCall | None:
     """The recorded checkpoint whose forward is running, if any: layers inside it are replayed
-    after the backward and need not keep anything for it."""
+    after the backward (if ``replayable``, known once the block has run) and then need not keep
+    anything for it."""
     return _RECORDING.get()
 
 
+def outputs_replayable(tensors: list[torch.Tensor]) -> bool:
+    """Whether a block with these (distinct) output tensors can be replayed: it has one, and no
+    two share memory."""
+    storages = [storage_key(t) for t in tensors]
+    return bool(storages) and None not in storages and len(set(storages)) == len(storages)
+
+
+def replayed(call: CheckpointedCall | None) -> bool:
+    """Whether a layer recorded inside ``call`` (``recorded_call()`` at its forward) is replayed."""
+    return call is not None and call.replayable
+
+
 def watch_outputs(call: CheckpointedCall, outputs: Any, recorder: CheckpointRecorder) -> None:
-    """Hand each output's gradient to ``recorder`` when the backward reaches it.
+    """Hand each output's gradient to ``recorder`` when the backward reaches it, and mark the
+    call replayable, unless two outputs share memory (a view and its base, say): the gradient
+    one hook sees may then include the other's, and replaying both would count it twice.
 
     The hooks (and through them ``call`` and its inputs) live as long as the graph does: a
     forward whose graph is dropped without a backward keeps nothing."""
-    for index, tensor in enumerate(output_tensors(outputs)):
+    tensors = output_tensors(outputs)
+    if not outputs_replayable(tensors):
+        return
+    for index, tensor in enumerate(tensors):
         if tensor.requires_grad:
             tensor.register_hook(functools.partial(recorder.checkpoint_output_grad, call, index))
+    call.replayable = True

@@ -503,6 +503,8 @@ class _Replay:
         """Whether this pass replays ``block`` after its book instead of booking the taps inside."""
         if not (self.pass_.replays_checkpoints and region == 0 and self.options[block] == Option.FULL):
             return False
+        if not self.trace.nodes[block].replayable:
+            return False
         parent = self.sim.parent[block]
         while parent >= 0:  # the runtime records only blocks no other planned block encloses
             if self.options[parent] != Option.KEEP:

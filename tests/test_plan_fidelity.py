@@ -62,10 +62,12 @@ def test_plain_steps_stay_under_budget_and_match_the_prediction(name: str, where
 
 
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
-@pytest.mark.parametrize("name", ["sd3", "dit"])
+@pytest.mark.parametrize("name", ["sd3", "dit", "unet2d"])
 def test_plans_made_with_an_engine_attached_simulate_the_dp_step(name: str, mode: str) -> None:
     """``rematerialize`` on a module with an attached engine plans the DP step: its passes, what
-    the first retains, bookkeeping's book; a fraction budget is of the naive DP step."""
+    the first retains, bookkeeping's book and replays; a fraction budget is of the naive DP step.
+    (UNet2D's convolutions: their per-sample norms allocate far more than a formula said, 3-4%
+    of the step, until each tapped layer's transients were measured.)"""
     case = ZOO[name].case(batch=4)
     model = case.model.eval()  # no dropout: the per-sample loss must not depend on the batch
     engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)

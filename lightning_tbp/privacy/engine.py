@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
+from lightning_tbp.memory.meters import garbage_collection_held, measure_peak, profiler_active
 from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
@@ -97,6 +98,21 @@ class _Tap(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
         ctx.slot.engine._receive(ctx.slot, saved, grad_output, replayed(ctx.recorded))
         return (None, None, grad_output, *([None] * len(saved)))
+
+
+def _layout(tensor: Tensor) -> tuple:
+    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
+
+
+def _stand_in(shape: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A tensor of this layout with finite values (allocation sizes do not depend on them)."""
+    extent = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) if all(shape) else 0
+    storage = torch.empty(extent, dtype=dtype, device=device)
+    if dtype.is_floating_point:
+        storage.uniform_(-1.0, 1.0)
+    else:
+        storage.zero_()
+    return storage.as_strided(shape, stride)
 
 
 def _bytes(tensors: Any) -> int:
@@ -173,8 +189,27 @@ class DPEngine:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
         per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
-        note_tap(TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample))
+        layouts = tuple(_layout(t) for t in (output, *saved))
+        note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
+        note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (id(slot), layouts)
+        note_tap(note)
         return tapped
+
+    def _meter_tap(self, slot: _Slot, layouts: tuple[tuple, ...]) -> tuple[int, int] | None:
+        """The exact peaks of this layer's norm and clipped sum above their inputs, on stand-ins
+        laid out as the profiled tensors (the planner calls it after its profile; None under a
+        running CPU profiler). The clipped sum's own result (the parameter gradients) is left out."""
+        grad_output, *stand_ins = (_stand_in(*layout) for layout in layouts)
+        if grad_output.device.type == "cpu" and profiler_active():
+            return None
+        module, saved = slot.module, tuple(stand_ins)
+        method = self._method(slot, saved, grad_output)
+        coef = torch.ones(grad_output.shape[0], device=grad_output.device)
+        grads: dict[str, Tensor] = {}
+        with torch.no_grad(), garbage_collection_held(collect=False):
+            norm = measure_peak(lambda: slot.handler.norm_sq(module, saved, grad_output, method))
+            summed = measure_peak(lambda: grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef)))
+        return norm.peak_bytes, max(0, summed.peak_bytes - _bytes(grads.values()))
 
     def step_model(self) -> StepModel:
         """The backward passes of a step under this engine, for the rematerialization planner."""

@@ -50,6 +50,11 @@ _CONTIGUOUS_GRAD_BACKWARD = ("native_group_norm.", "native_layer_norm.")
 _ALIASING_BACKWARD = ("add.Tensor", "clone.", "alias.", "detach.")
 #: View ops that can pick a part of their input (their backward builds a whole-input gradient).
 _VIEW_PRODUCING = ("split", "chunk", "unbind", "slice.", "select.", "narrow", "as_strided")
+#: Views of a whole storage under another shape (a DP tap's ``view_as`` among them): their
+#: backward hands the gradient on reshaped. Consumers of the view are consumers of the storage,
+#: so the view itself adds no contribution to the storage's gradient (counting it as one made a
+#: residual add's aliased gradient look summed into a new buffer at every tapped layer).
+_RESHAPING_VIEWS = ("view.", "_unsafe_view.", "reshape.", "transpose.", "permute.", "t.", "unsqueeze.", "squeeze.")
 #: Ops whose backward passes the output gradient on without allocating a new tensor.
 _PASS_THROUGH_BACKWARD = ("add.", "sub.", "cat.", "clone.", "alias.", "detach.")
 
@@ -141,6 +146,8 @@ class Simulator:
         self.grads_accumulated: list[list[int]] = [[] for _ in range(n_events)]
         self.grads_freed: list[list[int]] = [[] for _ in range(n_events)]
         for event, inputs in enumerate(trace.event_inputs):
+            if trace.event_op[event].startswith(_RESHAPING_VIEWS) and not trace.event_outputs[event]:
+                continue  # whoever uses the view uses the storage: their contributions are counted there
             for sid in inputs:
                 partial_use = sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]
                 if trace.storage_needs_grad[sid] and last_consumer[sid] != event and not partial_use:

@@ -76,6 +76,11 @@ class TapNote:
     event: int = -1
     saved_sids: tuple[int, ...] = ()
     output_sid: int = -1
+    meter: Callable[[], tuple[int, int]] | None = None
+    """Measures (norm bytes, sum bytes) on stand-in tensors of the same layout, when called after
+    the profiling forward (the estimates above are only formulas; kernels allocate more)."""
+    meter_key: tuple = ()
+    """Taps with equal keys (same layer, same layouts) measure alike: one measurement serves them."""
 
 
 _StepModelSource = Callable[[], StepModel]

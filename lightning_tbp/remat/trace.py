@@ -415,10 +415,10 @@ def record_trace(
             del output
         workspaces: dict[int, tuple[int, int]] = {}
         times: dict[int, tuple[float, float]] = {}
-        if measure:
-            with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
+        with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
+            if measure:
                 times, workspaces = recorder.calibrator.measure()
-                _meter_taps(trace.taps)
+            _meter_taps(trace.taps, measure)
     finally:
         stop_listening(listening)
         for handle in handles:
@@ -445,12 +445,14 @@ def record_trace(
     return trace
 
 
-def _meter_taps(taps: list[TapNote]) -> None:
-    """Replace each tap's estimated norm and sum transients by measured ones (one measurement per
-    distinct layer and layout); under a running CPU profiler the estimates stay."""
+def _meter_taps(taps: list[TapNote], measure: bool) -> None:
+    """With ``measure``, replace each tap's estimated norm and sum transients by measured ones
+    (one measurement per distinct layer and layout; under a running CPU profiler the estimates
+    stay). Either way the trace then keeps numbers only."""
     measured: dict[tuple, tuple[int, int] | None] = {}
     for note in taps:
-        if note.meter is None:
+        if note.meter is None or not measure:
+            note.meter = None
             continue
         if note.meter_key not in measured:
             measured[note.meter_key] = note.meter()

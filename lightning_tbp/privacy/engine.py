@@ -191,7 +191,10 @@ class DPEngine:
         per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(_layout(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
-        note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (id(slot), layouts)
+        # layers of one class and configuration (torch's ``extra_repr``) on the same layouts measure alike
+        config = (type(slot.handler), type(slot.module), slot.module.extra_repr())
+        params = tuple((name, tuple(p.shape), p.dtype) for name, p in slot.params.items())
+        note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (*config, params, layouts)
         note_tap(note)
         return tapped
 

@@ -44,7 +44,14 @@ from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossErro
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
-from lightning_tbp.remat.step import BackwardPass, StepModel, TapNote, note_tap, register_step_model
+from lightning_tbp.remat.step import (
+    BackwardPass,
+    StepModel,
+    TapNote,
+    note_tap,
+    profiling_taps,
+    register_step_model,
+)
 
 log = logging.getLogger("lightning_tbp")
 
@@ -184,15 +191,18 @@ class DPEngine:
         try:
             output, saved = slot.handler.forward(slot.module, x)
             tapped = _Tap.apply(slot, self.anchor, output, *saved)
+            if not profiling_taps():
+                return tapped
             norm_bytes, sum_bytes = slot.handler.workspace_bytes(slot.module, x, output, self.mode.startswith("flash"))
+            # layers of one class and configuration on the same layouts measure alike (``extra_repr``
+            # reads the parameters as attributes: here, where they are plain, not tracked uses)
+            config = (type(slot.handler), type(slot.module), slot.module.extra_repr())
         finally:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
         per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(_layout(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
-        # layers of one class and configuration (torch's ``extra_repr``) on the same layouts measure alike
-        config = (type(slot.handler), type(slot.module), slot.module.extra_repr())
         params = tuple((name, tuple(p.shape), p.dtype) for name, p in slot.params.items())
         note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (*config, params, layouts)
         note_tap(note)

@@ -105,6 +105,11 @@ def step_model_for(module: nn.Module) -> StepModel:
     return PLAIN_STEP if source is None else source()
 
 
+def profiling_taps() -> bool:
+    """Whether a running profile listens for taps (outside one, a tap need not describe itself)."""
+    return _TAP_LISTENER.get() is not None
+
+
 def note_tap(note: TapNote) -> None:
     """Report a tapped layer to a running profile (a no-op outside one)."""
     listener = _TAP_LISTENER.get()

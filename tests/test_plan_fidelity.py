@@ -238,17 +238,15 @@ def test_each_block_is_priced_at_its_measured_forward() -> None:
     assert branched.event_cost == [2.0] * 8
 
 
-@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
-def test_dp_strategies_hold_half_the_naive_dp_step(mode: str, tmp_path) -> None:
-    """Through the strategy, a DP run at budget 0.5 (of the naive DP step) is metered within its
-    budget on every batch shape it planned for, with no re-plan: ghost's two passes and
-    bookkeeping's book (with its checkpointed blocks replayed) are part of the plan."""
+def _private_fit(mode: str, budget: float | None, tmp_path, accumulate: int = 1, samples: int = 4):
+    """A tiny U-Net denoiser trained privately through the strategy (noise 0, SGD): the strategy
+    and the trained module. ``samples`` equal to the batch gives sample rate 1: every Poisson
+    batch is the whole set, the batch a plan is made for."""
     import lightning as L
     from models import Denoiser, tiny_unet
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_tbp import TinyBackpropStrategy
-    from lightning_tbp.remat import Option
 
     class PrivateDenoiser(Denoiser):
         def training_step(self, batch, batch_idx):
@@ -257,17 +255,30 @@ def test_dp_strategies_hold_half_the_naive_dp_step(mode: str, tmp_path) -> None:
             noise = torch.randn_like(x)
             return (self(x + noise, t) - noise).square().mean(dim=(1, 2, 3))
 
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1.0)
+
     torch.manual_seed(0)
-    # sample rate 1: every Poisson batch is the whole set, the batch the plan was made for, so
-    # the metered step is comparable with the prediction, not only with the budget
-    data = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
-    strategy = TinyBackpropStrategy(memory_budget=0.5, dp=mode, noise_multiplier=1.0, max_grad_norm=1.0)
+    data = torch.randn(samples, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    strategy = TinyBackpropStrategy(memory_budget=budget, dp=mode, noise_multiplier=0.0, max_grad_norm=0.01)
+    module = PrivateDenoiser(tiny_unet())
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=2, logger=False,
+        strategy=strategy, accelerator="cpu", devices=1, max_steps=1 if accumulate > 1 else 2, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=tmp_path,
+        default_root_dir=tmp_path, accumulate_grad_batches=accumulate,
     )  # fmt: skip
-    trainer.fit(PrivateDenoiser(tiny_unet()), DataLoader(TensorDataset(data), batch_size=4))
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=samples // accumulate))
+    return strategy, module
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_dp_strategies_hold_half_the_naive_dp_step(mode: str, tmp_path) -> None:
+    """Through the strategy, a DP run at budget 0.5 (of the naive DP step) is metered within its
+    budget on every batch shape it planned for, with no re-plan: ghost's two passes and
+    bookkeeping's book (with its checkpointed blocks replayed) are part of the plan."""
+    from lightning_tbp.remat import Option
+
+    strategy, _ = _private_fit(mode, 0.5, tmp_path)
     metered = [p for p in strategy.plan.shape_plans.values() if p.measured_peak_bytes is not None]
     assert metered
     for shape_plan in metered:
@@ -276,3 +287,18 @@ def test_dp_strategies_hold_half_the_naive_dp_step(mode: str, tmp_path) -> None:
         assert shape_plan.measured_peak_bytes <= shape_plan.budget_bytes
         assert abs(shape_plan.measured_peak_bytes / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
         assert shape_plan.correction == 1.0  # held at the first try
+
+
+def test_bookkeeping_with_a_plan_and_accumulation_steps_as_without_a_plan(tmp_path) -> None:
+    """Two micro-batches per step, every block the plan checkpoints in full replayed after each
+    micro-batch's backward: the step equals the unplanned run's (clip 0.01, so every sample is
+    clipped and the coefficients matter)."""
+    from lightning_tbp.remat import Option
+
+    _, plain = _private_fit("bookkeeping", None, tmp_path / "plain", accumulate=2, samples=8)
+    strategy, planned = _private_fit("bookkeeping", 0.5, tmp_path / "planned", accumulate=2, samples=8)
+    assert any(Option.FULL in p.options.values() for p in strategy.plan.shape_plans.values())
+    reference = dict(plain.named_parameters())
+    scale = max(float(p.detach().abs().max()) for p in reference.values())
+    for name, param in planned.named_parameters():
+        torch.testing.assert_close(param.detach(), reference[name].detach(), rtol=1e-5, atol=1e-6 * scale, msg=name)

@@ -253,8 +253,7 @@ class _Replay:
         self.options = options
         self.capture_step = capture_step
         self.snapshot: Snapshot | None = None
-        self.extra_sizes: dict[int, int] = {}
-        self.next_sid = len(sim.sizes)
+        self.storage_sizes = list(sim.sizes)  # recomputed copies and stashed states are appended
         self.holders: dict[int, int] = {}
         self.python_refs: set[int] = set()
         self.alive: set[int] = set()
@@ -278,6 +277,7 @@ class _Replay:
         self.recompute_flops = 0
         self.recompute_counts: dict[int, int] = {}
         self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
+        self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
 
         # the step's backward passes (see ``step.py``)
         self.pass_ = sim.step.passes[0]
@@ -314,8 +314,13 @@ class _Replay:
         )
 
     # -- bookkeeping ----------------------------------------------------------------------------
+    def new_storage(self, nbytes: int) -> int:
+        """A storage the replay makes (a recomputed copy, a checkpoint's stashed state): its id."""
+        self.storage_sizes.append(nbytes)
+        return len(self.storage_sizes) - 1
+
     def size(self, sid: int) -> int:
-        return self.sim.sizes[sid] if sid < len(self.sim.sizes) else self.extra_sizes[sid]
+        return self.storage_sizes[sid]
 
     def tick(self) -> None:
         if self.mem > self.peak:
@@ -363,7 +368,14 @@ class _Replay:
     def maybe_free(self, sid: int) -> None:
         if sid in self.alive and not self.holders.get(sid) and sid not in self.python_refs:
             self.alive.discard(sid)
-            self.mem -= self.size(sid)
+            self.mem -= self.storage_sizes[sid]
+
+    def lazy_block(self, node: int) -> int:
+        """``Simulator.lazy_block`` under this replay's plan, memoised per node."""
+        found = self.lazy_blocks.get(node)
+        if found is None:
+            found = self.lazy_blocks[node] = self.sim.lazy_block(node, self.options)
+        return found
 
     def context(self, node: int, region: int) -> int:
         """``Simulator.context`` under this replay's plan, memoised: every event asks it, often more than once."""
@@ -376,7 +388,7 @@ class _Replay:
     def allocate(self, sid: int) -> None:
         self.alive.add(sid)
         self.python_refs.add(sid)
-        self.mem += self.size(sid)
+        self.mem += self.storage_sizes[sid]
 
     # -- phases ---------------------------------------------------------------------------------
     def forward(self, region: int, lo: int, hi: int, recompute: bool, keep: tuple[int, ...] = ()) -> list[int]:
@@ -392,49 +404,53 @@ class _Replay:
         def mapped(sid: int) -> int:
             return remap.get(sid, sid)
 
+        # the loop runs for every event of every replay: what it reads is bound once here
+        event_node, event_outputs, event_saves = trace.event_node, trace.event_outputs, trace.event_saves
+        event_heavy, event_workspace, dies_at = trace.event_heavy, trace.event_forward_workspace, sim.dies_at
+        is_activation, sizes, first = sim.is_activation, sim.sizes, sim.first
+        overheads, region_option = trace.overheads, options[region]
         for event in range(lo, hi + 1):
-            ctx = self.context(trace.event_node[event], region)
-            if ctx >= 0 and event == sim.first[ctx]:
+            node = event_node[event]
+            ctx = self.context(node, region)
+            if ctx >= 0 and event == first[ctx]:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
                     self.recomputed_nodes.add(ctx)
-            cached = selective_recompute and trace.event_heavy[event] and event <= cache_end
-            for sid in trace.event_outputs[event]:
-                if cached or not sim.is_activation[sid]:
+            cached = selective_recompute and event_heavy[event] and event <= cache_end
+            for sid in event_outputs[event]:
+                if cached or not is_activation[sid]:
                     continue
                 if recompute:
-                    new = self.next_sid
-                    self.next_sid += 1
-                    self.extra_sizes[new] = sim.sizes[sid]
+                    new = self.new_storage(sizes[sid])
                     remap[sid] = new
                     sid = new
                 self.allocate(sid)
-            lazy = sim.lazy_block(trace.event_node[event], options) if ctx < 0 and not recompute else -1
-            overheads = trace.overheads
+            lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
             if selective_recompute or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
                 self.charge(Option.SELECTIVE, overheads.selective_op_ns)  # through torch's caching dispatch mode
             if lazy >= 0:
                 self.charge(Option.LAZY, overheads.lazy_op_ns)  # its recipe is recorded (and rebuilt) in Python
-            if ctx >= 0 and not recompute:  # each save is packed, then unpacked from a recomputation
-                self.charge(options[ctx], overheads.checkpoint_save_ns * len(trace.event_saves[event]))
+            saves = event_saves[event]
+            if ctx >= 0 and not recompute and saves:  # each save is packed, then unpacked from a recomputation
+                self.charge(options[ctx], overheads.checkpoint_save_ns * len(saves))
             if ctx < 0:
-                if lazy < 0:
-                    self.event_holds[event] = self.hold([mapped(s) for s in trace.event_saves[event]])
+                if lazy >= 0:
+                    self.event_holds[event] = self.hold_lazily(event, lazy)
+                elif saves:
+                    self.event_holds[event] = self.hold([remap.get(s, s) for s in saves] if remap else saves)
                     if recompute:
                         self.recomputed_holds.add(event)
-                else:
-                    self.event_holds[event] = self.hold_lazily(event, lazy)
-            elif options[ctx] == Option.SELECTIVE and trace.event_heavy[event] and event <= sim.cache_end[ctx]:
-                self.node_cache[ctx].extend(self.hold([mapped(s) for s in trace.event_outputs[event]]))
+            elif options[ctx] == Option.SELECTIVE and event_heavy[event] and event <= sim.cache_end[ctx]:
+                self.node_cache[ctx].extend(self.hold([mapped(s) for s in event_outputs[event]]))
             if recompute and not cached:
-                self.charge(options[region], trace.event_cost[event])
+                self.charge(region_option, trace.event_cost[event])
                 self.recompute_flops += trace.event_flops[event]
-            workspace = 0 if cached else trace.event_forward_workspace[event]
+            workspace = 0 if cached else event_workspace[event]
             self.mem += workspace
             self.tick()
             self.mem -= workspace
-            for sid in sim.dies_at[event]:
-                sid = mapped(sid)
+            for sid in dies_at[event]:
+                sid = remap.get(sid, sid)
                 self.python_refs.discard(sid)
                 self.maybe_free(sid)
         if recompute and hi < sim.last[region]:
@@ -456,9 +472,7 @@ class _Replay:
         self.charge(self.options[ctx], self.trace.overheads.checkpoint_call_ns)
         held = self.hold([mapped(s) for s in self.trace.nodes[ctx].inputs])
         if self.trace.checkpoint_state_bytes:
-            state = self.next_sid
-            self.next_sid += 1
-            self.extra_sizes[state] = self.trace.checkpoint_state_bytes
+            state = self.new_storage(self.trace.checkpoint_state_bytes)
             self.alive.add(state)
             self.mem += self.trace.checkpoint_state_bytes
             held += self.hold([state])
@@ -638,7 +652,7 @@ class _Replay:
                     self.grad_slices.add(sid)
             else:
                 self.mem += sizes[sid]
-        if sim.needs_contiguous_grad[event]:  # a slice-view gradient is copied to contiguous first
+        if sim.needs_contiguous_grad[event] and self.grad_slices:  # a slice-view gradient is copied to contiguous first
             transient += sum(sizes[sid] for sid in outputs if sid in self.grad_slices)
         for sid in sim.grads_accumulated[event]:
             if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
@@ -658,20 +672,20 @@ class _Replay:
             self.mem += tap.parameter_bytes  # the replay writes its clipped sum into the gradients
         if tap is not None and self.pass_.books_taps and not self.deferring and tap.output_sid in self.grads:
             if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book
-                kept = self.next_sid
-                self.next_sid += 1
-                self.extra_sizes[kept] = rebuilt
+                kept = self.new_storage(rebuilt)
                 self.alive.add(kept)
                 self.mem += rebuilt
                 holds = [*holds, *self.hold([kept])]
             self.book.append((holds, tap.output_sid, tap))  # kept, with the output gradient, to the end
             self.booked_grads.add(tap.output_sid)
-        elif kept := self.release_or_retain(holds, recomputed):
+        elif holds and (kept := self.release_or_retain(holds, recomputed)):
             self.event_holds[event] = kept
         self.mem -= merged  # the pieces die with the view op's backward
-        for sid in sim.grads_freed[event]:  # pieces never merged (no view op in between)
-            self.mem -= self.pieces.pop(sid, 0)
-        for sid in sim.grads_freed[event]:
+        freed = sim.grads_freed[event]
+        if self.pieces:
+            for sid in freed:  # pieces never merged (no view op in between)
+                self.mem -= self.pieces.pop(sid, 0)
+        for sid in freed:
             if sid not in self.booked_grads:
                 self.free_grad(sid)
 

@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted_peak_mb": current.predicted_peak_bytes / 2**20,
                 "measured_over_budget": run["peak_bytes"] / current.budget_bytes,
                 "measured_over_predicted": run["peak_bytes"] / current.predicted_peak_bytes,
+                "predicted_time_overhead": current.recompute_time_ratio,
+                "measured_time_overhead": spent / (seconds[runs.index(base)]) - 1,
                 "decisions": {path: option.name.lower() for path, option in current.options.items()},
             }
         rows.append(row)

@@ -248,7 +248,7 @@ def _clear_grads(step: TrainingStep) -> None:
 
 def _plan_ratios(solver: Solver, result: Any) -> tuple[float, float]:
     trace = solver.sim.trace
-    time_ratio = result.recompute_cost / max(trace.step_ns(solver.sim.backward_passes), 1.0)
+    time_ratio = result.recompute_cost / max(solver.sim.step_ns, 1.0)
     flop_ratio = result.recompute_flops / max(3 * sum(trace.event_flops), 1)
     return time_ratio, flop_ratio
 

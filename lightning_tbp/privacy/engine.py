@@ -43,6 +43,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
+from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import (
     BackwardPass,
@@ -208,10 +209,11 @@ class DPEngine:
         note_tap(note)
         return tapped
 
-    def _meter_tap(self, slot: _Slot, layouts: tuple[tuple, ...]) -> tuple[int, int] | None:
-        """The exact peaks of this layer's norm and clipped sum above their inputs, on stand-ins
-        laid out as the profiled tensors (the planner calls it after its profile; None under a
-        running CPU profiler). The clipped sum's own result (the parameter gradients) is left out."""
+    def _meter_tap(self, slot: _Slot, layouts: tuple[tuple, ...]) -> tuple[int, int, float, float] | None:
+        """The exact peaks of this layer's norm and clipped sum above their inputs, and their times,
+        on stand-ins laid out as the profiled tensors (the planner calls it after its profile; None
+        under a running CPU profiler). The clipped sum's own result (the parameter gradients) is
+        left out of its peak."""
         grad_output, *stand_ins = (_stand_in(*layout) for layout in layouts)
         if grad_output.device.type == "cpu" and profiler_active():
             return None
@@ -219,10 +221,20 @@ class DPEngine:
         method = self._method(slot, saved, grad_output)
         coef = torch.ones(grad_output.shape[0], device=grad_output.device)
         grads: dict[str, Tensor] = {}
+
+        def norms() -> None:
+            slot.handler.norm_sq(module, saved, grad_output, method)
+
+        def clipped_sum() -> None:
+            grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef))
+
         with torch.no_grad(), garbage_collection_held(collect=False):
-            norm = measure_peak(lambda: slot.handler.norm_sq(module, saved, grad_output, method))
-            summed = measure_peak(lambda: grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef)))
-        return norm.peak_bytes, max(0, summed.peak_bytes - _bytes(grads.values()))
+            norm, summed = measure_peak(norms), measure_peak(clipped_sum)  # (also the warm-up of the timings)
+            sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
+            grads.clear()
+            device = grad_output.device
+            norm_ns, sum_ns = (min(timed_ns(run, device) for _ in range(2)) for run in (norms, clipped_sum))
+        return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
 
     def step_model(self) -> StepModel:
         """The backward passes of a step under this engine, for the rematerialization planner."""

@@ -50,7 +50,7 @@ class ShapePlan:
     planned: SimResult
     forward_flops: int
     forward_ns: float  # sum of the calibrated op times of one forward
-    step_ns: float  # predicted time of the unplanned step (``Trace.step_ns``)
+    step_ns: float  # predicted time of the unplanned step (``Simulator.step_ns``)
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
     blocks: list[BlockDecision] = field(default_factory=list)
@@ -148,7 +148,7 @@ def solve_shape(
         planned=planned,
         forward_flops=sum(trace.event_flops),
         forward_ns=sum(trace.event_cost),
-        step_ns=trace.step_ns(simulator.backward_passes),
+        step_ns=simulator.step_ns,
         parameter_grad_bytes=trace.parameter_grad_bytes,
         step=simulator.step.name,
         blocks=_block_table(trace, simulator, options, planned),

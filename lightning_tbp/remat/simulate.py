@@ -174,6 +174,18 @@ class Simulator:
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
 
+    @property
+    def step_ns(self) -> float:
+        """Predicted time of the unplanned step: the trace's forward and its backward per pass,
+        plus a DP engine's per-layer norms and clipped sums in the passes that compute them
+        (bookkeeping forms its sums from the book)."""
+        engine = sum(
+            tap.norm_ns * ("norm" in p.tap_transient) + tap.sum_ns * ("sum" in p.tap_transient or p.books_taps)
+            for p in self.step.passes
+            for tap in self.trace.taps
+        )
+        return self.trace.step_ns(self.backward_passes) + engine
+
     # -- plan helpers ---------------------------------------------------------------------------
     def context(self, node: int, region: int, options: list[Option]) -> int:
         """Outermost checkpointed block strictly inside ``region`` that encloses ``node``."""
@@ -288,12 +300,16 @@ class _Replay:
         self.booked_grads: set[int] = set()
         self.deferred: list[tuple[int, list[int]]] = []  # replayed checkpoints: (block, output grads kept)
         self.deferring = False  # inside such a block's backward: its taps book nothing
+        self.timing = True  # costs are charged (not in a first-step-only probe pass)
 
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
         self.forward_end = self.mem
         for backward_pass in sim.step.passes:
             self.pass_ = backward_pass
+            # a DP engine's independence probe runs on a graph's first step only: its memory
+            # counts (the plan must hold then too), its recomputation is not a cost of every step
+            self.timing = backward_pass.parameter_gradients or bool(backward_pass.tap_transient)
             for sid in trace.module_outputs:
                 if trace.storage_needs_grad[sid] and sid not in self.grads:
                     self.grads.add(sid)
@@ -444,7 +460,7 @@ class _Replay:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in event_outputs[event]]))
             if recompute and not cached:
                 self.charge(region_option, trace.event_cost[event])
-                self.recompute_flops += trace.event_flops[event]
+                self.recompute_flops += trace.event_flops[event] if self.timing else 0
             workspace = 0 if cached else event_workspace[event]
             self.mem += workspace
             self.tick()
@@ -465,7 +481,8 @@ class _Replay:
 
     def charge(self, option: Option, nanoseconds: float) -> None:
         """Add a cost of ``option``, scaled by what calibration measured against the model's estimate."""
-        self.recompute_cost += nanoseconds * self.trace.option_scale.get(option, 1.0)
+        if self.timing:
+            self.recompute_cost += nanoseconds * self.trace.option_scale.get(option, 1.0)
 
     def enter_checkpoint(self, ctx: int, mapped: Callable[[int], int]) -> None:
         """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward."""

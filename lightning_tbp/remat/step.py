@@ -76,11 +76,14 @@ class TapNote:
     event: int = -1
     saved_sids: tuple[int, ...] = ()
     output_sid: int = -1
-    meter: Callable[[], tuple[int, int]] | None = None
-    """Measures (norm bytes, sum bytes) on stand-in tensors of the same layout, when called after
-    the profiling forward (the estimates above are only formulas; kernels allocate more)."""
+    norm_ns: float = 0.0  # time of its per-sample norms (measured; 0 when not)
+    sum_ns: float = 0.0  # time of its clipped sum
+    meter: Callable[[], tuple[int, int, float, float] | None] | None = None
+    """Measures (norm bytes, sum bytes, norm ns, sum ns) on stand-in tensors of the same layout,
+    when called after the profiling forward (the byte estimates above are only formulas; kernels
+    allocate more)."""
     meter_key: tuple = ()
-    """Taps with equal keys (same layer, same layouts) measure alike: one measurement serves them."""
+    """Taps with equal keys (same layer kind, same layouts) measure alike: one measurement serves them."""
 
 
 _StepModelSource = Callable[[], StepModel]

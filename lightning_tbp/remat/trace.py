@@ -449,7 +449,7 @@ def _meter_taps(taps: list[TapNote], measure: bool) -> None:
     """With ``measure``, replace each tap's estimated norm and sum transients by measured ones
     (one measurement per distinct layer and layout; under a running CPU profiler the estimates
     stay). Either way the trace then keeps numbers only."""
-    measured: dict[tuple, tuple[int, int] | None] = {}
+    measured: dict[tuple, tuple[int, int, float, float] | None] = {}
     for note in taps:
         if note.meter is None or not measure:
             note.meter = None
@@ -457,7 +457,7 @@ def _meter_taps(taps: list[TapNote], measure: bool) -> None:
         if note.meter_key not in measured:
             measured[note.meter_key] = note.meter()
         if (found := measured[note.meter_key]) is not None:
-            note.norm_bytes, note.sum_bytes = found
+            note.norm_bytes, note.sum_bytes, note.norm_ns, note.sum_ns = found
         note.meter = None  # the closure holds the module and handler: the trace keeps numbers only
 
 

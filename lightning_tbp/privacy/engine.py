@@ -43,6 +43,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
+from lightning_tbp.remat.calibrate import TensorSpec
 from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import (
@@ -106,21 +107,6 @@ class _Tap(torch.autograd.Function):
         saved = ctx.saved_tensors  # once: a checkpoint's recomputed tensors can be unpacked only once
         ctx.slot.engine._receive(ctx.slot, saved, grad_output, replayed(ctx.recorded))
         return (None, None, grad_output, *([None] * len(saved)))
-
-
-def _layout(tensor: Tensor) -> tuple:
-    return (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device)
-
-
-def _stand_in(shape: tuple, stride: tuple, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A tensor of this layout with finite values (allocation sizes do not depend on them)."""
-    extent = 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True)) if all(shape) else 0
-    storage = torch.empty(extent, dtype=dtype, device=device)
-    if dtype.is_floating_point:
-        storage.uniform_(-1.0, 1.0)
-    else:
-        storage.zero_()
-    return storage.as_strided(shape, stride)
 
 
 def _bytes(tensors: Any) -> int:
@@ -202,19 +188,19 @@ class DPEngine:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
         per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
-        layouts = tuple(_layout(t) for t in (output, *saved))
+        layouts = tuple(TensorSpec.of(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
         params = tuple((name, tuple(p.shape), p.dtype) for name, p in slot.params.items())
         note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (*config, params, layouts)
         note_tap(note)
         return tapped
 
-    def _meter_tap(self, slot: _Slot, layouts: tuple[tuple, ...]) -> tuple[int, int, float, float] | None:
+    def _meter_tap(self, slot: _Slot, layouts: tuple[TensorSpec, ...]) -> tuple[int, int, float, float] | None:
         """The exact peaks of this layer's norm and clipped sum above their inputs, and their times,
         on stand-ins laid out as the profiled tensors (the planner calls it after its profile; None
         under a running CPU profiler). The clipped sum's own result (the parameter gradients) is
         left out of its peak."""
-        grad_output, *stand_ins = (_stand_in(*layout) for layout in layouts)
+        grad_output, *stand_ins = (layout.materialise() for layout in layouts)
         if grad_output.device.type == "cpu" and profiler_active():
             return None
         module, saved = slot.module, tuple(stand_ins)

@@ -33,12 +33,19 @@ from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held,
 
 
 @dataclass(frozen=True)
-class _TensorSpec:
+class TensorSpec:
+    """A tensor's layout without its data: what is needed to build a stand-in that allocates and
+    runs alike (op calibration, the DP engine's tap meters)."""
+
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-    needs_grad: bool
+    needs_grad: bool = False
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor, needs_grad: bool = False) -> TensorSpec:
+        return cls(tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, needs_grad)
 
     def materialise(self) -> torch.Tensor:
         # Fill a flat storage, then view it with the recorded strides: strides may overlap
@@ -72,7 +79,7 @@ class OpCalibrator:
             if not isinstance(x, torch.Tensor):
                 return x
             grad = next(flags) and x.is_floating_point()
-            return _TensorSpec(tuple(x.shape), tuple(x.stride()), x.dtype, x.device, grad)
+            return TensorSpec.of(x, grad)
 
         spec = tree_map(describe, (args, kwargs))
         key = (func, *tree_flatten(spec)[0])
@@ -153,13 +160,13 @@ def _measure_op(
     gradients) and workspace (if ``metered``: the forward's peak beyond its outputs, the
     backward's beyond the gradients it returns). The first forward and backward, metered or not,
     warm the kernels up for the timed runs. Zeros where the op cannot run alone."""
-    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, _TensorSpec)]
+    specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, TensorSpec)]
     device = specs[0].device if specs else torch.device("cpu")
     metered = metered and any(x.needs_grad for x in specs) and device.type in ("cpu", "cuda")
     args, kwargs = tree_map(
-        lambda x: x.materialise() if isinstance(x, _TensorSpec) else x,
+        lambda x: x.materialise() if isinstance(x, TensorSpec) else x,
         (spec_args, spec_kwargs),
-        is_leaf=lambda x: isinstance(x, _TensorSpec),
+        is_leaf=lambda x: isinstance(x, TensorSpec),
     )
     inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor) and x.requires_grad]
     forward_ns = backward_ns = 0.0
@@ -191,5 +198,5 @@ def _measure_op(
 
 
 def _device_of(spec: tuple) -> torch.device:
-    tensors = [x for x in tree_flatten(spec[1:])[0] if isinstance(x, _TensorSpec)]
+    tensors = [x for x in tree_flatten(spec[1:])[0] if isinstance(x, TensorSpec)]
     return tensors[0].device if tensors else torch.device("cpu")

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from lightning_tbp.compat import storage_key, tree_flatten
+from lightning_tbp.remat.step import set_per_module
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
 
@@ -115,11 +116,7 @@ _RECORDING: contextvars.ContextVar[CheckpointedCall | None] = contextvars.Contex
 
 def register_checkpoint_recorder(modules: list[nn.Module], recorder: CheckpointRecorder | None) -> None:
     """Offer (or with ``None`` stop offering) the full checkpoints of ``modules`` to ``recorder``."""
-    for module in modules:
-        if recorder is None:
-            _RECORDERS.pop(module, None)
-        else:
-            _RECORDERS[module] = recorder
+    set_per_module(_RECORDERS, modules, recorder)
 
 
 def recorder_for(module: nn.Module) -> CheckpointRecorder | None:

@@ -685,7 +685,7 @@ class _Replay:
         holds = self.event_holds.pop(event, [])
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)
-        if tap is not None and "sum" in self.pass_.tap_transient and self.pass_ is _REPLAY_PASS:
+        if tap is not None and self.pass_ is _REPLAY_PASS:
             self.mem += tap.parameter_bytes  # the replay writes its clipped sum into the gradients
         if tap is not None and self.pass_.books_taps and not self.deferring and tap.output_sid in self.grads:
             if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book

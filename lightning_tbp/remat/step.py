@@ -93,13 +93,19 @@ _TAP_LISTENER: contextvars.ContextVar[Callable[[TapNote], None] | None] = contex
 )
 
 
+def set_per_module(table: weakref.WeakKeyDictionary, modules: list[nn.Module], value: object | None) -> None:
+    """Set ``value`` for every module in ``modules`` in a per-module ``table`` (``None``: withdraw it);
+    weak keys, so a module that goes away takes its entry with it."""
+    for module in modules:
+        if value is None:
+            table.pop(module, None)
+        else:
+            table[module] = value
+
+
 def register_step_model(modules: list[nn.Module], source: _StepModelSource | None) -> None:
     """Declare (or with ``None`` withdraw) the step model of every module in ``modules``."""
-    for module in modules:
-        if source is None:
-            _REGISTRY.pop(module, None)
-        else:
-            _REGISTRY[module] = source
+    set_per_module(_REGISTRY, modules, source)
 
 
 def step_model_for(module: nn.Module) -> StepModel:

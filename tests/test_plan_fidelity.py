@@ -103,14 +103,19 @@ def predictions_skewed_low(monkeypatch: pytest.MonkeyPatch) -> float:
     from lightning_tbp.remat import simulate
 
     skew = 0.8
-    original = simulate.Simulator.run
+    run, run_within = simulate.Simulator.run, simulate.Simulator.run_within
 
-    def run(self, options, capture_step=-1):
-        result = original(self, options, capture_step)
-        result.peak_bytes = int(result.peak_bytes * skew)
+    def skewed(result):
+        if result is not None:
+            result.peak_bytes = int(result.peak_bytes * skew)
         return result
 
-    monkeypatch.setattr(simulate.Simulator, "run", run)
+    monkeypatch.setattr(simulate.Simulator, "run", lambda self, options: skewed(run(self, options)))
+    monkeypatch.setattr(
+        simulate.Simulator,
+        "run_within",
+        lambda self, options, limit_bytes: skewed(run_within(self, options, int(limit_bytes / skew))),
+    )
     return skew
 
 

@@ -53,11 +53,33 @@ class TensorSpec:
         extent = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
         storage = torch.empty(extent if all(self.shape) else 0, dtype=self.dtype, device=self.device)
         if self.dtype.is_floating_point:
-            storage.uniform_(-1.0, 1.0)  # any finite values time alike; uniform fills faster than normal
+            fill_random(storage)
         else:
             storage.zero_()
         tensor = storage.as_strided(self.shape, self.stride)
         return tensor.requires_grad_(self.needs_grad)
+
+
+#: Length of the random tile ``fill_random`` repeats.
+_TILE = 1 << 16
+_tiles: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def fill_random(flat: torch.Tensor) -> torch.Tensor:
+    """Fill a 1-D floating tensor with values in [-1, 1): one random tile repeated.
+
+    Any finite values time alike, but drawing them costs: ``uniform_`` over every stand-in and
+    output gradient took 0.19 s of a reference U-Net's 1.2 s trace, copying a tile a fraction of
+    that. The tile (256 KiB in fp32) is kept per dtype and device."""
+    key = (flat.dtype, flat.device)
+    tile = _tiles.get(key)
+    if tile is None:
+        tile = _tiles[key] = torch.empty(_TILE, dtype=flat.dtype, device=flat.device).uniform_(-1.0, 1.0)
+    whole, rest = divmod(flat.numel(), _TILE)
+    with torch.no_grad():
+        flat[: whole * _TILE].view(whole, _TILE).copy_(tile.expand(whole, _TILE))
+        flat[whole * _TILE :].copy_(tile[:rest])
+    return flat
 
 
 class OpCalibrator:
@@ -186,7 +208,7 @@ def _measure_op(
         def backward() -> None:
             torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
 
-        grads = [torch.empty_like(o).uniform_(-1.0, 1.0) for o in outs]
+        grads = [_random_like(o) for o in outs]
         if metered:
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
             backward_workspace = max(0, measure_peak(backward, device).peak_bytes - grad_bytes)
@@ -195,6 +217,13 @@ def _measure_op(
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
         return forward_ns, backward_ns, forward_workspace, backward_workspace
     return forward_ns, backward_ns, forward_workspace, backward_workspace
+
+
+def _random_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A random tensor in ``tensor``'s memory format (``empty_like`` is dense: one flat run)."""
+    out = torch.empty_like(tensor)
+    fill_random(out.as_strided((out.numel(),), (1,)))
+    return out
 
 
 def _device_of(spec: tuple) -> torch.device:

@@ -26,7 +26,7 @@ from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.trace import Trace, frozen_buffers
 
 #: Block classes calibrated (the commonest first) and interleaved rounds per block.
-CLASSES, ROUNDS = 2, 5
+CLASSES, ROUNDS = 2, 3
 #: Scales are clipped to this range: a wild measurement must not flip every decision.
 SCALE_RANGE = (0.5, 8.0)
 

@@ -197,8 +197,7 @@ def describe_held(held: HeldMemory) -> str:
 def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int]:
     """Bytes held at the end of the forward, each storage charged to its first holder's block."""
     trace = simulator.trace
-    snapshot = simulator.run(options, capture_step=trace.num_events - 1).snapshot
-    assert snapshot is not None
+    snapshot = simulator.snapshot(options, trace.num_events - 1)
     kept: dict[int, int] = {}
     charged: set[int] = set()
     holds = [(trace.event_node[e], sids) for e, sids in snapshot.event_holds.items()]
@@ -212,8 +211,7 @@ def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int
 
 
 def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> str:
-    snapshot = simulator.run(options, capture_step=planned.peak_step).snapshot
-    assert snapshot is not None
+    snapshot = simulator.snapshot(options, planned.peak_step)
     if snapshot.region:
         return f"recompute/backward of {trace.nodes[snapshot.region].path}"
     where = "forward" if planned.peak_step < trace.num_events else "backward"

@@ -30,6 +30,7 @@ Memory is counted above the state before the forward (parameters and inputs are 
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -96,7 +97,6 @@ class SimResult:
     recompute_flops: int
     forward_end_bytes: int
     peak_step: int
-    snapshot: Snapshot | None = None
     recompute_counts: dict[int, int] = field(default_factory=dict)
 
 
@@ -252,19 +252,52 @@ class Simulator:
         first = trace.nodes[node].first_event
         return sum(trace.event_heavy[e] for e in range(first, self.cache_end[node] + 1))
 
-    def run(self, options: list[Option], capture_step: int = -1) -> SimResult:
-        return _Replay(self, options, capture_step).result()
+    def run(self, options: list[Option]) -> SimResult:
+        return _Replay(self, options).result()
+
+    def snapshot(self, options: list[Option], step: int) -> Snapshot:
+        """Who holds what at ``step`` of the replay of ``options`` (the replay stops there)."""
+        try:
+            _Replay(self, options, capture_step=step)
+        except _Captured as captured:
+            return captured.snapshot
+        raise ValueError(f"the replay has no step {step}")
+
+    def run_within(self, options: list[Option], limit_bytes: int) -> SimResult | None:
+        """The replay of ``options``, or None as soon as its memory passes ``limit_bytes``.
+
+        Most plans a search tries are rejected for their peak, and a replay that stops where the
+        memory first passes the bound costs a fraction of a whole one (the solver's pruning and
+        move ranking need nothing more about a rejected plan)."""
+        try:
+            return _Replay(self, options, limit_bytes=limit_bytes).result()
+        except _OverLimit:
+            return None
+
+
+class _OverLimit(Exception):
+    """A bounded replay passed its memory bound (``Simulator.run_within``)."""
+
+
+class _Captured(Exception):
+    """A replay reached the step it was to capture (``Simulator.snapshot``): nothing after it matters."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.snapshot = snapshot
 
 
 class _Replay:
     """State of one replay; methods mirror the phases of a training step."""
 
-    def __init__(self, sim: Simulator, options: list[Option], capture_step: int) -> None:
+    def __init__(
+        self, sim: Simulator, options: list[Option], capture_step: int = -1, limit_bytes: float = math.inf
+    ) -> None:
         self.sim = sim
+        self.limit_bytes = limit_bytes
         self.trace = sim.trace
         self.options = options
         self.capture_step = capture_step
-        self.snapshot: Snapshot | None = None
         self.storage_sizes = list(sim.sizes)  # recomputed copies and stashed states are appended
         self.holders: dict[int, int] = {}
         self.python_refs: set[int] = set()
@@ -325,7 +358,6 @@ class _Replay:
             recompute_flops=self.recompute_flops,
             forward_end_bytes=self.forward_end,
             peak_step=self.peak_step,
-            snapshot=self.snapshot,
             recompute_counts=self.recompute_counts,
         )
 
@@ -340,14 +372,18 @@ class _Replay:
 
     def tick(self) -> None:
         if self.mem > self.peak:
+            if self.mem > self.limit_bytes:
+                raise _OverLimit
             self.peak, self.peak_step = self.mem, self.step
         if self.step == self.capture_step:
-            self.snapshot = Snapshot(
-                region=self.region,
-                event_holds={k: list(v) for k, v in self.event_holds.items()},
-                node_holds={k: list(v) + self.node_cache.get(k, []) for k, v in self.node_inputs.items()},
-                python_refs=set(self.python_refs),
-                sizes={sid: self.size(sid) for sid in self.alive},
+            raise _Captured(
+                Snapshot(
+                    region=self.region,
+                    event_holds={k: list(v) for k, v in self.event_holds.items()},
+                    node_holds={k: list(v) + self.node_cache.get(k, []) for k, v in self.node_inputs.items()},
+                    python_refs=set(self.python_refs),
+                    sizes={sid: self.size(sid) for sid in self.alive},
+                )
             )
         self.step += 1
 

@@ -127,6 +127,7 @@ class Solver:
         self.replays = 0
         self._prices: dict[tuple[int, Option], tuple[float, float]] | None = None
         self._memo: dict[tuple[Option, ...], SimResult] = {}
+        self._over: dict[tuple[Option, ...], int] = {}  # plans whose peak passes this many bytes
         self._naive: SimResult | None = None
 
     # -- public -----------------------------------------------------------------------------------
@@ -258,7 +259,12 @@ class Solver:
             if key in seen:
                 continue
             seen.add(key)
-            result = self.replay(options)
+            if best is not None and not best[0][0]:  # once one fits, only those that fit compete
+                result = self.replay_within(options, target_bytes)
+                if result is None:
+                    continue
+            else:
+                result = self.replay(options)
             fits = result.peak_bytes <= target_bytes
             rank = (not fits, result.recompute_cost if fits else result.peak_bytes)
             if best is None or rank < best[0]:
@@ -270,8 +276,7 @@ class Solver:
         """(cost, bytes freed at the end of the forward) of each option alone, from one snapshot."""
         if self._prices is not None:
             return self._prices
-        snapshot = self.replay([Option.KEEP] * len(self.nodes), capture_step=self.sim.trace.num_events - 1).snapshot
-        assert snapshot is not None
+        snapshot = self.snapshot([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
         freed_full, lca = self._releasable_bytes(snapshot)
         prices = {}
         for node in self.nodes[1:]:
@@ -304,16 +309,34 @@ class Solver:
         return best_value
 
     # -- search ---------------------------------------------------------------------------------
-    def replay(self, options: list[Option], capture_step: int = -1) -> SimResult:
-        """Replay a plan; the searches revisit plans often, so plain replays are memoised."""
-        if capture_step >= 0:
-            self.replays += 1
-            return self.sim.run(options, capture_step)
+    def replay(self, options: list[Option]) -> SimResult:
+        """Replay a plan; the searches revisit plans often, so replays are memoised."""
         key = tuple(options)
         result = self._memo.get(key)
         if result is None:
             self.replays += 1
             result = self._memo[key] = self.sim.run(options)
+        return result
+
+    def snapshot(self, options: list[Option], step: int) -> Snapshot:
+        self.replays += 1
+        return self.sim.snapshot(options, step)
+
+    def replay_within(self, options: list[Option], limit_bytes: int) -> SimResult | None:
+        """The replay of a plan if it peaks within ``limit_bytes``, else None (a bounded replay
+        stops where the memory passes the bound: the searches reject most plans they try)."""
+        key = tuple(options)
+        result = self._memo.get(key)
+        if result is not None:
+            return result if result.peak_bytes <= limit_bytes else None
+        if self._over.get(key, -1) >= limit_bytes:  # known to pass a bound at least this low
+            return None
+        self.replays += 1
+        result = self.sim.run_within(options, limit_bytes)
+        if result is None:
+            self._over[key] = limit_bytes
+        else:
+            self._memo[key] = result
         return result
 
     def legal_moves(self, options: list[Option]) -> list[tuple[int, Option]]:
@@ -353,8 +376,7 @@ class Solver:
     def best_move(
         self, options: list[Option], result: SimResult, target_bytes: int, cost_blind: bool = False
     ) -> tuple[list[Option], SimResult] | None:
-        snapshot = self.replay(options, capture_step=result.peak_step).snapshot
-        assert snapshot is not None
+        snapshot = self.snapshot(options, result.peak_step)
         freed_full, lca = self._releasable_bytes(snapshot)
         scored = []
         for index, option in self.legal_moves(options):
@@ -373,7 +395,12 @@ class Solver:
         best = None
         for _, index, option, _ in scored[:_EXACT_CANDIDATES]:
             candidate = self.apply(options, index, option)
-            trial = self.replay(candidate)
+            if best is not None and best[0][0]:  # once one lowers the peak, only those that do compete
+                trial = self.replay_within(candidate, result.peak_bytes - 1)
+                if trial is None:
+                    continue
+            else:
+                trial = self.replay(candidate)
             gain = result.peak_bytes - trial.peak_bytes
             extra = 1.0 if cost_blind else max(trial.recompute_cost - result.recompute_cost, 1.0)
             key = (gain > 0, gain / extra)
@@ -417,8 +444,8 @@ class Solver:
                 break
         if len(batch) < 2:
             return None
-        trial = self.replay(candidate)
-        return (candidate, trial) if trial.peak_bytes < result.peak_bytes else None
+        trial = self.replay_within(candidate, result.peak_bytes - 1)
+        return None if trial is None else (candidate, trial)
 
     def _releasable_bytes(self, snapshot: Snapshot) -> tuple[list[int], dict[int, int]]:
         """Per block, bytes live at the snapshot that only that block's subtree holds.
@@ -495,8 +522,8 @@ class Solver:
                     candidate[index] = option
                     if option in _SOFT and self.subtree_planned(index, candidate):
                         continue
-                    trial = self.replay(candidate)
-                    if trial.peak_bytes <= budget_bytes and trial.recompute_cost < result.recompute_cost:
+                    trial = self.replay_within(candidate, budget_bytes)
+                    if trial is not None and trial.recompute_cost < result.recompute_cost:
                         options, result, improved = candidate, trial, True
                         break
         return options, result

@@ -150,9 +150,8 @@ def _time_block(
     samples: dict[Option, list[float]] = {option: [] for option in (Option.KEEP, *options)}
     try:
         with frozen_buffers(module), torch.random.fork_rng():
-            for option in samples:  # warm-up
-                table[path] = option
-                step()
+            table[path] = Option.KEEP  # warm-up (kernels, allocator); an option's first-call
+            step()  # cost, if any, is one of its samples and the median drops it
             for _ in range(ROUNDS):
                 for option, spent in samples.items():
                     table[path] = option

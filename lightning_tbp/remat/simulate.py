@@ -437,11 +437,6 @@ class _Replay:
             found = self.contexts[key] = self.sim.context(node, region, self.options)
         return found
 
-    def allocate(self, sid: int) -> None:
-        self.alive.add(sid)
-        self.python_refs.add(sid)
-        self.mem += self.storage_sizes[sid]
-
     # -- phases ---------------------------------------------------------------------------------
     def forward(self, region: int, lo: int, hi: int, recompute: bool, keep: tuple[int, ...] = ()) -> list[int]:
         """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids.
@@ -461,9 +456,13 @@ class _Replay:
         event_heavy, event_workspace, dies_at = trace.event_heavy, trace.event_forward_workspace, sim.dies_at
         is_activation, sizes, first = sim.is_activation, sim.sizes, sim.first
         overheads, region_option = trace.overheads, options[region]
+        alive, python_refs, storage_sizes = self.alive, self.python_refs, self.storage_sizes
+        node = ctx = lazy = -1
         for event in range(lo, hi + 1):
-            node = event_node[event]
-            ctx = self.context(node, region)
+            if event_node[event] != node:  # a block's events mostly run back to back
+                node = event_node[event]
+                ctx = self.context(node, region)
+                lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
             if ctx >= 0 and event == first[ctx]:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
@@ -476,8 +475,9 @@ class _Replay:
                     new = self.new_storage(sizes[sid])
                     remap[sid] = new
                     sid = new
-                self.allocate(sid)
-            lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
+                alive.add(sid)  # allocated, referenced from Python
+                python_refs.add(sid)
+                self.mem += storage_sizes[sid]
             if selective_recompute or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
                 self.charge(Option.SELECTIVE, overheads.selective_op_ns)  # through torch's caching dispatch mode
             if lazy >= 0:

@@ -238,7 +238,10 @@ class _Recorder(TorchDispatchMode):
             outputs.append(sid)
             new_elements += tensor.numel()
         flops = flop_count(func, args, kwargs, out)
-        needs_grad = [bool(trace.storage_needs_grad[self.sid_of(t)]) for t in _tensors((args, kwargs))]
+        # what autograd will differentiate, tensor by tensor: a parameter read through a detached
+        # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
+        # the parameter's storage but gets no gradient from the op's backward
+        needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in _tensors((args, kwargs))]
         self.calibrator.note(event, func, args, kwargs, needs_grad, workspace=flops > 0 and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)

@@ -59,6 +59,12 @@ def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_gra
     return torch.Tensor._make_subclass(cls, data, requires_grad)
 
 
+def version_counter(tensor: torch.Tensor) -> int:
+    """How many in-place writes ``tensor``'s data has seen (shared by its views and ``detach()``es):
+    autograd's own check that a saved tensor was not modified uses it; torch has no public name."""
+    return tensor._version
+
+
 def storage_key(tensor: torch.Tensor) -> int | None:
     """An identity of the storage behind ``tensor`` (views share it), None for storage-less tensors.
 

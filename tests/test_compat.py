@@ -111,3 +111,13 @@ def test_fake_tensors_have_storages_and_fake_modules_convert_dtype_and_deep_copy
     with compat.fake_module_support():
         torch.utils.swap_tensors(swapped_a, swapped_b)  # real tensors still swap
     assert float(swapped_a.detach().sum()) == 2.0
+
+
+def test_version_counters_count_in_place_writes_and_are_shared_by_detached_views() -> None:
+    tensor = torch.zeros(3)
+    detached = tensor.detach()
+    before = compat.version_counter(tensor)
+    tensor.add_(1)
+    assert compat.version_counter(tensor) == compat.version_counter(detached) == before + 1
+    _ = tensor + 1  # out of place: no write
+    assert compat.version_counter(detached) == before + 1

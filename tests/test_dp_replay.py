@@ -124,7 +124,7 @@ def _clipped_step(model: nn.Module, data: dict, autocast: bool) -> dict[str, tor
             loss = per_sample_loss(model, data)
         engine.backward(loss.float())
         assert bool((engine.clip_coefficients < 1).any())
-        return {name: param.grad.clone() for name, param in model.named_parameters()}
+        return {name: param.grad.clone() for name, param in model.named_parameters() if param.requires_grad}
     finally:
         engine.detach()
 
@@ -236,5 +236,61 @@ def test_an_output_returned_twice_is_replayed_once_and_a_view_is_booked(view: bo
     assert len(reruns) == (0 if view else 1)
     for name, grad in unplanned.items():
         torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
-    trace = record_trace(model, (data["x"],), {})
+    engine = attach(model, mode="bookkeeping", max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        trace = record_trace(model, (data["x"],), {})
+    finally:
+        engine.detach()
     assert next(node for node in trace.nodes if node.path == "down").replayable is not view
+
+
+def test_a_frozen_block_stays_a_plain_checkpoint(reruns) -> None:
+    """A block without a clipped parameter has nothing to replay: it is not recorded (no second
+    forward, no inputs and output gradient kept to the end of the backward), the trace tells the
+    simulator so, and the clipped sums are still the unplanned step's."""
+    model, data = make_case()
+    model.blocks[0].requires_grad_(False)
+    engine = attach(model, mode="bookkeeping", max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        trace = record_trace(model, (data["x"],), {})
+    finally:
+        engine.detach()
+    unplanned = _clipped_step(model, data, autocast=False)
+    wrappers = checkpointed(model)
+    try:
+        planned = _clipped_step(model, data, autocast=False)
+    finally:
+        wrappers.remove()
+    assert len(reruns) == 2  # blocks.2 and outer; not the frozen blocks.0
+    replayable = {node.path: node.replayable for node in trace.nodes[1:]}
+    assert not replayable["blocks.0"] and replayable["blocks.2"] and replayable["outer"]
+    assert "blocks.0.up.weight" not in planned
+    for name, grad in unplanned.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+def test_an_input_written_in_place_before_its_replay_stops_the_step() -> None:
+    """The replay runs a block again from its inputs; one written in place after the block's
+    backward (here by a gradient hook) would give other values, so the step stops and says which."""
+    model, data = make_case()
+    wrappers = checkpointed(model, ("blocks.1",))
+    engine = attach(model, mode="bookkeeping", max_grad_norm=1.0, noise_multiplier=0.0)
+    inputs: list[torch.Tensor] = []
+    hook = model.blocks[1].register_forward_pre_hook(lambda module, args: inputs.append(args[0]))
+    try:
+        engine.backward(per_sample_loss(model, data))  # the first step probes (a retained pass)
+        inputs.clear()
+        loss = per_sample_loss(model, data)
+
+        def write(grad: torch.Tensor) -> None:
+            with torch.no_grad():
+                inputs[0].mul_(2)
+
+        inputs[0].register_hook(write)  # runs once the block's backward has made its input's gradient
+        with pytest.raises(RuntimeError, match=r"argument 0 of checkpointed block 'blocks\.1' was modified in place"):
+            engine.backward(loss)
+    finally:
+        hook.remove()
+        engine.detach()
+        wrappers.remove()

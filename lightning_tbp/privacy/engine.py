@@ -161,7 +161,9 @@ class DPEngine:
         self._attached = True
         register_step_model(list(module.modules()), self.step_model)
         if STEP_PASSES[mode] == 1:
-            register_checkpoint_recorder(list(module.modules()), self)
+            # a block without a clipped parameter has nothing to replay: it stays a plain checkpoint
+            clipped = [m for m in module.modules() if any(id(p) in self._survey.params for p in m.parameters())]
+            register_checkpoint_recorder(clipped, self)
 
     # -- installation ---------------------------------------------------------------------------
 

@@ -76,7 +76,7 @@ def _checkpointed_forward(
             extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
         call, tensors = _positional_call(original, args, kwargs)
         recorder = recorder_for(module) if option == Option.FULL else None
-        recorded = CheckpointedCall.capture(call, tensors) if recorder is not None else None
+        recorded = CheckpointedCall.capture(path, call, tensors) if recorder is not None else None
         if recorded is None or not recorder.record_checkpoint(recorded):
             return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
         with recording(recorded):

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_tbp.compat import storage_key, tree_flatten
+from lightning_tbp.compat import storage_key, tree_flatten, version_counter
 from lightning_tbp.remat.step import set_per_module
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -47,9 +47,14 @@ class _AutocastState:
 class CheckpointedCall:
     """One recorded call of a fully checkpointed block, with what running it again needs."""
 
+    name: str
+    """The block's qualified name in the model (for errors)."""
     function: Callable[..., Any]
     """The block's forward taking every tensor argument positionally (``apply._positional_call``)."""
     inputs: tuple[torch.Tensor, ...]
+    versions: tuple[int, ...]
+    """Each input's in-place write count when the call was recorded: the replay refuses inputs
+    written since, as autograd refuses modified saved tensors."""
     cpu_rng: torch.Tensor
     device_rng: tuple[list[int], list[torch.Tensor]]
     autocast: tuple[_AutocastState, ...]
@@ -60,7 +65,7 @@ class CheckpointedCall:
     and otherwise, the layers inside keep what they need like any other layer."""
 
     @classmethod
-    def capture(cls, function: Callable[..., Any], inputs: list[torch.Tensor]) -> CheckpointedCall:
+    def capture(cls, name: str, function: Callable[..., Any], inputs: list[torch.Tensor]) -> CheckpointedCall:
         """Record a call about to run (the RNG state *before* it, as torch's checkpoint stashes it)."""
         autocast = tuple(
             _AutocastState(device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
@@ -68,11 +73,24 @@ class CheckpointedCall:
             if device == "cpu" or torch.cuda.is_available()
         )
         detached = tuple(t.detach() for t in inputs)  # no reference to the graph that made them
-        return cls(function, detached, torch.get_rng_state(), get_device_states(*inputs), autocast)
+        versions = tuple(version_counter(t) for t in inputs)
+        return cls(name, function, detached, versions, torch.get_rng_state(), get_device_states(*inputs), autocast)
 
     def rerun(self) -> list[torch.Tensor]:
         """Run the block again on its (detached) inputs, so no gradient leaves it, under the recorded RNG
-        and autocast state; returns its output tensors, in the order ``output_grads`` uses."""
+        and autocast state; returns its output tensors, in the order ``output_grads`` uses.
+
+        Raises ``RuntimeError`` if an input was written in place since the call was recorded (the
+        block would run on other values than it did, and the clipped sums would be wrong)."""
+        for position, (tensor, version) in enumerate(zip(self.inputs, self.versions, strict=True)):
+            if version_counter(tensor) != version:
+                raise RuntimeError(
+                    f"lightning_tbp: tensor argument {position} of checkpointed block {self.name!r} was modified in "
+                    f"place after the block was called (write count {version} -> {version_counter(tensor)}); "
+                    "bookkeeping DP runs the block again from its inputs after the backward, which would give wrong "
+                    "clipped gradients. Replace the in-place op on the block's input (e.g. `x += block(x)` -> "
+                    "`x = x + block(x)`), or leave this block out of the plan"
+                )
         devices, states = self.device_rng
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=devices))

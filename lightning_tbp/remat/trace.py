@@ -34,7 +34,7 @@ from lightning_tbp.remat.calibrate import OpCalibrator
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
 from lightning_tbp.remat.overheads import StepOverheads, step_overheads
-from lightning_tbp.remat.replay import output_tensors, outputs_replayable
+from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
 from lightning_tbp.remat.step import TapNote, listening_for_taps, stop_listening
 
 #: Ops whose backward needs their own main result, saved right after they run (from torch's
@@ -62,7 +62,7 @@ class Node:
     inputs: tuple[int, ...] = ()  # storage ids of the tensors passed in (args and kwargs)
     outputs: tuple[int, ...] = ()
     children: list[int] = field(default_factory=list)
-    replayable: bool = True  # no two outputs share memory (``replay.outputs_replayable``)
+    replayable: bool = True  # a recorder takes its full checkpoint, and no two outputs share memory (``replay.py``)
 
     @property
     def has_events(self) -> bool:
@@ -370,7 +370,7 @@ def record_trace(
         node = trace.nodes[node_stack.pop()]
         node.last_event = trace.num_events - 1
         node.outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
-        node.replayable = outputs_replayable(output_tensors(output))
+        node.replayable = recorder_for(sub) is not None and outputs_replayable(output_tensors(output))
 
     for sub in candidates:
         handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_tbp.compat import tree_flatten
-from lightning_tbp.estimate.step import TrainingStep, _bytes, _clear_grads, _parameter_bytes
+from lightning_tbp.estimate.step import TrainingStep, clear_grads, module_state_bytes, storage_bytes
 from lightning_tbp.memory.breakdown import state_tensors
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
 
@@ -33,10 +33,10 @@ class MeasuredStep:
 def measure_step(build: Callable[[], TrainingStep], device: str = "cpu") -> MeasuredStep:
     step = build()
     step.optimizer_step(step.forward_backward)
-    _clear_grads(step)
-    parameters, seen = _parameter_bytes(step.modules, 1)
-    state = _bytes((t for o in step.optimizers for s in o.state.values() for t in state_tensors(s)), 1, seen)
-    batch = _bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
+    clear_grads(step)
+    parameters, seen = module_state_bytes(step.modules, 1)
+    state = storage_bytes((t for o in step.optimizers for s in o.state.values() for t in state_tensors(s)), 1, seen)
+    batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
     gc.collect()
     with garbage_collection_held(), allocator_peak(device) as meter:
         step.optimizer_step(step.forward_backward)

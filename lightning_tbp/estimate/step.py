@@ -165,17 +165,17 @@ def estimate_step(
                 f"the training step never called its target {type(step.target).__name__} with gradients enabled: "
                 "nothing to estimate (is target= the module the loss is computed through?)"
             )
-        parameter_bytes, seen = _parameter_bytes(step.modules, model.allocation_rounding)
-        optimizer_state = _bytes(
+        parameter_bytes, seen = module_state_bytes(step.modules, model.allocation_rounding)
+        optimizer_state = storage_bytes(
             (t for opt in step.optimizers for state in opt.state.values() for t in state_tensors(state)),
             model.allocation_rounding,
             seen,
         )
         batch = (t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor))
-        batch_bytes = _bytes(batch, model.allocation_rounding, seen)
+        batch_bytes = storage_bytes(batch, model.allocation_rounding, seen)
         trainable = [p for m in step.modules.values() for p in m.parameters() if p.requires_grad]
-        gradient_bytes = _bytes(trainable, model.allocation_rounding, set())
-        _clear_grads(step)
+        gradient_bytes = storage_bytes(trainable, model.allocation_rounding, set())
+        clear_grads(step)
         gc.collect()
         with LiveBytes(model.allocation_rounding) as meter:
             phases: dict[str, int] = {}
@@ -220,7 +220,7 @@ def estimate_step(
     return estimate
 
 
-def _bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
+def storage_bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
     """Bytes of the storages of ``tensors`` not in ``seen`` (which it extends), each rounded."""
     total = 0
     for tensor in tensors:
@@ -231,15 +231,19 @@ def _bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
     return total
 
 
-def _parameter_bytes(modules: dict[str, nn.Module], rounding: int) -> tuple[dict[str, int], set[int]]:
+def module_state_bytes(modules: dict[str, nn.Module], rounding: int) -> tuple[dict[str, int], set[int]]:
+    """Bytes of each module's parameters and buffers (a storage shared by two counts once), and
+    the storages counted."""
     seen: set[int] = set()
     sizes = {
-        name: _bytes([*module.parameters(), *module.buffers()], rounding, seen) for name, module in modules.items()
+        name: storage_bytes([*module.parameters(), *module.buffers()], rounding, seen)
+        for name, module in modules.items()
     }
     return sizes, seen
 
 
-def _clear_grads(step: TrainingStep) -> None:
+def clear_grads(step: TrainingStep) -> None:
+    """Free every gradient the step's module and optimizers hold (estimates start without them)."""
     if step.zero_grad is not None:
         step.zero_grad()
     for optimizer in step.optimizers:

@@ -89,6 +89,37 @@ def test_one_step_moves_weights_by_the_clipped_mean(mode: str, accumulate: int, 
         torch.testing.assert_close(step, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
 
 
+class ManualRegressor(Regressor):
+    """The same step under manual optimisation: the module calls ``manual_backward`` and steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(super().training_step(batch, batch_idx))
+        optimizer.step()
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_manual_optimisation_steps_by_the_clipped_mean_and_is_accounted(mode: str, tmp_path) -> None:
+    """``manual_backward`` goes through the engine, ``optimizer.step()`` adds the noise and divides
+    by the expected batch, and each step is one accounted step: as under automatic optimisation."""
+    automatic, manual = Regressor(), ManualRegressor()
+    trainers = []
+    for module in (automatic, manual):
+        strategy = TinyBackpropStrategy(memory_budget=None, dp=mode, max_grad_norm=5.0, noise_multiplier=1.0)
+        torch.manual_seed(3)  # same Poisson batches, same noise
+        trainers.append(fit(module, strategy, tmp_path, max_steps=2))
+    assert [len(x) for x in automatic.seen] == [len(x) for x in manual.seen]
+    for (name, want), got in zip(automatic.named_parameters(), manual.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    epsilons = [trainer.strategy.privacy.epsilon() for trainer in trainers]
+    assert epsilons[0] == pytest.approx(epsilons[1]) and epsilons[0] > 0
+
+
 @pytest.mark.parametrize("accountant", ["prv", "rdp"])
 def test_epsilon_equals_opacus_accountant_stepped_independently(accountant: str, tmp_path) -> None:
     strategy = TinyBackpropStrategy(memory_budget=None, dp="flash", noise_multiplier=1.1, accountant=accountant)

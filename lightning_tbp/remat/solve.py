@@ -317,6 +317,7 @@ class Solver:
         return result
 
     def snapshot(self, options: list[Option], step: int) -> Snapshot:
+        """Who holds what at ``step`` of the plan's replay (a replay that stops there)."""
         self.replays += 1
         return self.sim.snapshot(options, step)
 

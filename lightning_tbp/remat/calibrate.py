@@ -88,13 +88,24 @@ class OpCalibrator:
     def __init__(self) -> None:
         self._specs: dict[tuple, tuple[Any, tuple, dict]] = {}
         self.event_keys: dict[int, tuple] = {}
+        self._event_outputs: dict[int, tuple[int | None, ...]] = {}
         self._workspace_keys: set[tuple] = set()
         self._timed_keys: set[tuple] = set()
 
-    def note(self, event: int, func: Any, args: tuple, kwargs: dict, needs_grad: list[bool], workspace: bool) -> None:
-        """Remember the op of ``event``; ``needs_grad`` flags which tensor arguments need gradients;
-        ``workspace``: also measure its forward/backward workspace. Pure views are not timed:
-        they only make metadata."""
+    def note(
+        self,
+        event: int,
+        func: Any,
+        args: tuple,
+        kwargs: dict,
+        needs_grad: list[bool],
+        outputs: list[int | None],
+        workspace: bool,
+    ) -> None:
+        """Remember the op of ``event``; ``needs_grad`` flags which tensor arguments need gradients,
+        ``outputs`` are the storage ids of its output tensors (None: no storage); ``workspace``:
+        also measure its forward/backward workspace. Pure views are not timed: they only make
+        metadata."""
         flags = iter(needs_grad)
 
         def describe(x: Any) -> Any:
@@ -107,14 +118,21 @@ class OpCalibrator:
         key = (func, *tree_flatten(spec)[0])
         self._specs.setdefault(key, (func, *spec))
         self.event_keys[event] = key
+        self._event_outputs[event] = tuple(outputs)
         if workspace:
             self._workspace_keys.add(key)
         if not _is_view(func) and not _is_communication(func):
             self._timed_keys.add(key)
 
-    def measure(self) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[int, int]]]:
+    def measure(self, consumed: set[int]) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[int, int]]]:
         """(forward, backward) nanoseconds per noted event (0 for views), and (forward, backward)
         workspace bytes per heavy event (none under a running profiler on CPU).
+
+        An op's backward gets gradients only for outputs whose storage is in ``consumed`` (read
+        by a later op, or returned): autograd hands none to the others, and some backwards take
+        another path when one comes (group and layer norm's backward for a gradient at the saved
+        mean or rstd is torch's double-differentiable composite, 10x slower on a VAE than the
+        kernel the training step runs).
 
         Each distinct op is materialised once and run for both: timing and metering from the
         same inputs and the same forward halves what a separate pass for each cost (a third of
@@ -127,13 +145,20 @@ class OpCalibrator:
                 stacklevel=4,
             )
             metered = set()
+        jobs = {
+            event: (key, tuple(sid is None or sid in consumed for sid in self._event_outputs[event]))
+            for event, key in self.event_keys.items()
+            if key in self._timed_keys or key in metered
+        }
         with garbage_collection_held(collect=False):  # holding it off keeps the meters exact
-            per_key = {
-                key: _measure_op(*self._specs[key], timed=key in self._timed_keys, metered=key in metered)
-                for key in self._timed_keys | metered
+            per_job = {
+                job: _measure_op(
+                    *self._specs[job[0]], job[1], timed=job[0] in self._timed_keys, metered=job[0] in metered
+                )
+                for job in set(jobs.values())
             }
-        times = {event: per_key[key][:2] if key in per_key else (0.0, 0.0) for event, key in self.event_keys.items()}
-        workspaces = {event: per_key[key][2:] for event, key in self.event_keys.items() if key in metered}
+        times = {event: per_job[jobs[event]][:2] if event in jobs else (0.0, 0.0) for event in self.event_keys}
+        workspaces = {event: per_job[job][2:] for event, job in jobs.items() if job[0] in metered}
         return times, workspaces
 
 
@@ -176,12 +201,13 @@ def _best_ns(run: Any, device: torch.device, warm_up: bool = True) -> float:
 
 
 def _measure_op(
-    func: Any, spec_args: tuple, spec_kwargs: dict, *, timed: bool, metered: bool
+    func: Any, spec_args: tuple, spec_kwargs: dict, differentiated: tuple[bool, ...], *, timed: bool, metered: bool
 ) -> tuple[float, float, int, int]:
-    """One op alone: its forward and backward time (if ``timed``; the backward for random output
-    gradients) and workspace (if ``metered``: the forward's peak beyond its outputs, the
-    backward's beyond the gradients it returns). The first forward and backward, metered or not,
-    warm the kernels up for the timed runs. Zeros where the op cannot run alone."""
+    """One op alone: its forward and backward time (if ``timed``; the backward for random
+    gradients at the output tensors ``differentiated`` flags, in order) and workspace (if
+    ``metered``: the forward's peak beyond its outputs, the backward's beyond the gradients it
+    returns). The first forward and backward, metered or not, warm the kernels up for the timed
+    runs. Zeros where the op cannot run alone."""
     specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, TensorSpec)]
     device = specs[0].device if specs else torch.device("cpu")
     metered = metered and any(x.needs_grad for x in specs) and device.type in ("cpu", "cuda")
@@ -201,7 +227,9 @@ def _measure_op(
         if timed:
             with torch.no_grad():
                 forward_ns = _best_ns(lambda: func(*args, **kwargs), device, warm_up=False)
-        outs = [o for o in results if isinstance(o, torch.Tensor) and o.requires_grad]
+        tensors = [o for o in results if isinstance(o, torch.Tensor)]
+        flags = differentiated + (True,) * (len(tensors) - len(differentiated))  # a data-dependent count: all
+        outs = [o for o, flag in zip(tensors, flags, strict=False) if flag and o.requires_grad]
         if not (inputs and outs and (timed or metered)):
             return forward_ns, 0.0, forward_workspace, 0
 

@@ -222,17 +222,21 @@ class _Recorder(TorchDispatchMode):
         saves = self._settle_saves(input_set)  # before this op becomes the last event
         grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
         outputs: list[int] = []
+        output_sids: list[int | None] = []  # of every output tensor, in order (for the calibrator)
         new_elements = 0
         for tensor in _tensors(out):
             key = storage_key(tensor)
             if key is None:
+                output_sids.append(None)
                 continue
             sid = self.key_to_sid.get(key)
             if sid is not None and sid in input_set:
+                output_sids.append(sid)
                 if trace.storage_is_activation[sid]:
                     self.watch(tensor, sid)
                 continue  # a view or an in-place result: same storage as an input
             sid = self._new_storage(key, tensor, producer=event, activation=True)
+            output_sids.append(sid)
             self.watch(tensor, sid)
             trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
             outputs.append(sid)
@@ -242,7 +246,7 @@ class _Recorder(TorchDispatchMode):
         # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
         # the parameter's storage but gets no gradient from the op's backward
         needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in _tensors((args, kwargs))]
-        self.calibrator.note(event, func, args, kwargs, needs_grad, workspace=flops > 0 and grad_flows)
+        self.calibrator.note(event, func, args, kwargs, needs_grad, output_sids, workspace=flops > 0 and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
         trace.event_partial_inputs.append(partial)
@@ -420,7 +424,10 @@ def record_trace(
         times: dict[int, tuple[float, float]] = {}
         with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
             if measure:
-                times, workspaces = recorder.calibrator.measure()
+                # an output no later op reads gets no gradient (a norm's saved mean and rstd, an
+                # attention's logsumexp): its op's backward is timed without one
+                consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
+                times, workspaces = recorder.calibrator.measure(consumed)
             _meter_taps(trace.taps, measure)
     finally:
         stop_listening(listening)

@@ -192,28 +192,6 @@ def test_no_plan_costs_more_than_uniform_checkpointing_that_fits_the_same_budget
         assert solution.result.recompute_cost <= result.recompute_cost * (1 + 1e-9), options
 
 
-def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
-    """A greedy path that takes a whole stage early (the VAE's encoder in full, its decoder lazy:
-    a plan the zoo drew once at 2.5x the usual cost) cannot be pruned into a finer plan, since
-    pruning only undoes or softens; refining splits each coarse decision into its child blocks and
-    prunes those, so at a budget the coarse plan fits with room, the result fits and costs less."""
-    from lightning_tbp.remat.simulate import Option, Simulator
-    from lightning_tbp.remat.solve import Solver
-    from lightning_tbp.remat.trace import record_trace
-
-    case = ZOO["vae"].case(batch=2)
-    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
-    paths = {node.path: node.index for node in solver.nodes}
-    coarse = [Option.KEEP] * len(solver.nodes)
-    coarse[paths["encoder"]], coarse[paths["decoder"]] = Option.FULL, Option.LAZY
-    result = solver.replay(coarse)
-    budget = (result.peak_bytes + solver.naive().peak_bytes) // 2
-    options, refined = solver.refine(coarse, result, budget)
-    assert refined.peak_bytes <= budget
-    assert refined.recompute_cost < 0.9 * result.recompute_cost, (refined.recompute_cost, result.recompute_cost)
-    assert options[paths["encoder"]] == options[paths["decoder"]] == Option.KEEP
-
-
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(name: str) -> None:
     """The lowest budget an InfeasibleBudgetError names is a promise too: retried, it plans; and

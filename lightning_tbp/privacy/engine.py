@@ -43,8 +43,7 @@ from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, sur
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
-from lightning_tbp.remat.calibrate import TensorSpec
-from lightning_tbp.remat.overheads import timed_ns
+from lightning_tbp.remat.calibrate import TensorSpec, best_ns
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import (
     BackwardPass,
@@ -221,7 +220,7 @@ class DPEngine:
             sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
             grads.clear()
             device = grad_output.device
-            norm_ns, sum_ns = (min(timed_ns(run, device) for _ in range(2)) for run in (norms, clipped_sum))
+            norm_ns, sum_ns = (best_ns(run, device, warm_up=False) for run in (norms, clipped_sum))
         return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
 
     def step_model(self) -> StepModel:

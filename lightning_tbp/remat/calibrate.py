@@ -21,8 +21,8 @@ keeps this memory-safe.
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 
 from lightning_tbp.compat import op_schema, tree_flatten, tree_map
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, measure_peak, profiler_active
+from lightning_tbp.remat.overheads import timed_ns
 
 
 @dataclass(frozen=True)
@@ -180,24 +181,12 @@ def _is_communication(func: Any) -> bool:
 _COMMUNICATION_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 
 
-def _synchronise(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _best_ns(run: Any, device: torch.device, warm_up: bool = True) -> float:
+def best_ns(run: Callable[[], object], device: torch.device, warm_up: bool = True) -> float:
     """Best-of-``_TIMING_RUNS`` nanoseconds of ``run()``, after a warm-up run (allocator, kernel
     selection) unless the caller already ran it."""
     if warm_up:
         run()
-    best = float("inf")
-    for _ in range(_TIMING_RUNS):
-        _synchronise(device)
-        start = time.perf_counter_ns()
-        run()
-        _synchronise(device)
-        best = min(best, time.perf_counter_ns() - start)
-    return float(best)
+    return float(min(timed_ns(run, device) for _ in range(_TIMING_RUNS)))
 
 
 def _measure_op(
@@ -226,7 +215,7 @@ def _measure_op(
             forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
         if timed:
             with torch.no_grad():
-                forward_ns = _best_ns(lambda: func(*args, **kwargs), device, warm_up=False)
+                forward_ns = best_ns(lambda: func(*args, **kwargs), device, warm_up=False)
         tensors = [o for o in results if isinstance(o, torch.Tensor)]
         flags = differentiated + (True,) * (len(tensors) - len(differentiated))  # a data-dependent count: all
         outs = [o for o, flag in zip(tensors, flags, strict=False) if flag and o.requires_grad]
@@ -241,7 +230,7 @@ def _measure_op(
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
             backward_workspace = max(0, measure_peak(backward, device).peak_bytes - grad_bytes)
         if timed:
-            backward_ns = _best_ns(backward, device, warm_up=not metered)
+            backward_ns = best_ns(backward, device, warm_up=not metered)
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
         return forward_ns, backward_ns, forward_workspace, backward_workspace
     return forward_ns, backward_ns, forward_workspace, backward_workspace

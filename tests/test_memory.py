@@ -128,3 +128,19 @@ def test_holding_the_collector_off_without_collecting_keeps_old_cycles_alive_ins
     assert gc.isenabled()
     gc.collect()
     assert alive() is None
+
+
+def test_marks_split_a_region_into_windows_with_exact_levels_and_peaks() -> None:
+    """A plan's meter splits a step at its module's forward end and at its outputs' first
+    gradient, to measure the loss between them: each mark gives the level there and the peak
+    since the previous mark, exact to the byte, and the region's peak is unchanged."""
+    with allocator_peak() as reading:
+        kept = torch.empty(1000, dtype=torch.uint8)
+        reading.mark()
+        transient = torch.empty(3000, dtype=torch.uint8)
+        del transient
+        more = torch.empty(500, dtype=torch.uint8)
+        reading.mark()
+        del kept, more
+    assert [(m.level_bytes, m.peak_before_bytes) for m in reading.marks] == [(1000, 1000), (1500, 4000)]
+    assert (reading.peak_bytes, reading.net_bytes) == (4000, 0)

@@ -21,7 +21,7 @@ from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import ZOO
+from zoo_models import ZOO, sample
 
 TOLERANCE = 0.05  # measured within ±5% of predicted
 
@@ -135,7 +135,9 @@ def test_verify_replans_a_plan_whose_measured_peak_passes_its_budget(predictions
         gc.collect()
         second = plan.verify(case.step)
         assert second.within_budget and not second.replanned, second.describe()
-        assert plan.current.correction == pytest.approx(first.ratio)
+        # the step's loss, measured on the way, joined the model: only what it leaves unexplained scales
+        assert 1 < plan.current.correction <= first.ratio
+        assert plan.current.loss_bytes > 0 and plan.current.measured_loss_bytes == plan.current.loss_bytes
         assert "re-planned" in plan.report()
     finally:
         plan.remove()
@@ -307,3 +309,51 @@ def test_bookkeeping_with_a_plan_and_accumulation_steps_as_without_a_plan(tmp_pa
     scale = max(float(p.detach().abs().max()) for p in reference.values())
     for name, param in planned.named_parameters():
         torch.testing.assert_close(param.detach(), reference[name].detach(), rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+@pytest.mark.parametrize("name", ["dit", "unet2d"])
+def test_a_metered_step_measures_its_loss_and_later_plans_count_it(name: str) -> None:
+    """The loss is computed outside the module, so no trace sees it. A metered step measures it
+    (from the module's forward end to its outputs' first gradient), and plans made after count
+    it: here the plan for a new batch size, with the loss scaled to its outputs, holds at its
+    first step. The loss here compares many copies of the outputs with the target, so that it
+    holds a quarter of the naive peak or more and leaving it out misses the peak."""
+    architecture = ZOO[name]
+    torch.manual_seed(0)
+    model = architecture.build()
+    copies = 1
+
+    def call(batch: int):
+        args, kwargs = architecture.inputs(torch.Generator().manual_seed(batch), batch)
+        with torch.no_grad():
+            target = torch.randn(sample(model(*args, **kwargs)).shape)
+
+        def step() -> None:
+            out = sample(model(*args, **kwargs)).float()
+            (out.expand(copies, *out.shape) - target).square().mean().backward()
+
+        return args, kwargs, step, target.numel() * 4
+
+    args, kwargs, step, output_bytes = call(2)
+    plan = rematerialize(model, *args, memory_budget=0.8, **kwargs)
+    try:
+        copies = math.ceil(0.25 * plan.current.naive.peak_bytes / output_bytes)
+        step()  # warm-up
+        model.zero_grad(set_to_none=True)
+        planned = plan.current
+        first = plan.verify(step)
+        assert first.ratio > 1 + TOLERANCE, "the loss is heavy enough to matter"
+        measured_loss = planned.measured_loss_bytes
+        assert measured_loss > copies * output_bytes, (measured_loss, output_bytes)
+
+        _, _, step, larger_output_bytes = call(4)
+        step()  # plans for the new shape (outside the meter's profiler, so workspaces are measured)
+        model.zero_grad(set_to_none=True)
+        second = plan.verify(step)
+        shape_plan = plan.current
+        assert shape_plan.loss_bytes == round(measured_loss / output_bytes * larger_output_bytes)
+        assert second.within_budget and not second.replanned, second.describe()
+        assert abs(second.ratio - 1) <= TOLERANCE, second.describe()
+        assert shape_plan.measured_loss_bytes == pytest.approx(shape_plan.loss_bytes, rel=TOLERANCE)
+    finally:
+        plan.remove()

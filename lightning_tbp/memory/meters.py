@@ -17,13 +17,26 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from lightning_tbp.compat import DeviceType
+
+#: Name of the profiler range that marks an instant of an exact CPU region (see :meth:`AllocatorPeak.mark`).
+_MARK = "lightning_tbp::mark"
+
+
+@dataclass(frozen=True)
+class Mark:
+    """An instant of a measured region (:meth:`AllocatorPeak.mark`), relative to the region's start."""
+
+    level_bytes: int
+    """Net allocation at the mark."""
+    peak_before_bytes: int
+    """Highest net allocation between the previous mark (or the region's start) and this one."""
 
 
 @dataclass
@@ -34,6 +47,15 @@ class AllocatorPeak:
     """Highest net allocation reached inside the region."""
     net_bytes: int = 0
     """Net allocation left when the region ended (what it kept alive)."""
+    marks: list[Mark] = field(default_factory=list)
+    """The instants :meth:`mark` noted, in order (filled when the region ends on CPU)."""
+    _marker: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    def mark(self) -> None:
+        """Note this instant inside the region, to split its peak into windows (for one, a
+        training step's loss: from its module's forward end to its output gradients)."""
+        if self._marker is not None:
+            self._marker()
 
 
 def profiler_active() -> bool:
@@ -79,15 +101,33 @@ def garbage_collection_held(collect: bool = True) -> Iterator[None]:
         gc.enable()
 
 
+def _cpu_mark() -> None:
+    with torch.profiler.record_function(_MARK):  # its start time, on the memory events' clock, is the mark
+        pass
+
+
 @contextlib.contextmanager
 def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
     refuse_nested_profiler()
-    with garbage_collection_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        yield
-    current = peak = 0
-    for _, nbytes in cpu_memory_events(prof.profiler.kineto_results.events()):
+    result._marker = _cpu_mark
+    try:
+        with garbage_collection_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield
+    finally:
+        result._marker = None
+    events = prof.profiler.kineto_results.events()
+    marks = iter(sorted(e.start_ns() for e in events if e.name() == _MARK))
+    next_mark = next(marks, None)
+    current = peak = window = 0
+    for time_ns, nbytes in cpu_memory_events(events):
+        while next_mark is not None and next_mark < time_ns:
+            result.marks.append(Mark(current, window))
+            window, next_mark = current, next(marks, None)
         current += nbytes
-        peak = max(peak, current)
+        peak, window = max(peak, current), max(window, current)
+    while next_mark is not None:
+        result.marks.append(Mark(current, window))
+        window, next_mark = current, next(marks, None)
     result.peak_bytes, result.net_bytes = peak, current
 
 
@@ -96,9 +136,23 @@ def _cuda_region(result: AllocatorPeak, device: torch.device) -> Iterator[None]:
     torch.cuda.synchronize(device)
     start = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    yield
+    highest = 0  # of the windows before the last mark (each mark resets the allocator's peak)
+
+    def mark() -> None:
+        nonlocal highest
+        torch.cuda.synchronize(device)
+        window = torch.cuda.max_memory_allocated(device) - start
+        result.marks.append(Mark(torch.cuda.memory_allocated(device) - start, window))
+        highest = max(highest, window)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    result._marker = mark
+    try:
+        yield
+    finally:
+        result._marker = None
     torch.cuda.synchronize(device)
-    result.peak_bytes = torch.cuda.max_memory_allocated(device) - start
+    result.peak_bytes = max(highest, torch.cuda.max_memory_allocated(device) - start)
     result.net_bytes = torch.cuda.memory_allocated(device) - start
 
 

@@ -3,7 +3,8 @@
 Accepted forms (anything else raises ``ValueError`` listing them):
 
 * a float in (0, 1]: that fraction of the module's naive peak (forward + backward without any
-  checkpoint, measured above the memory held before the forward);
+  checkpoint, measured above the memory held before the forward; the loss computed from the
+  module's outputs counts once a metered step has measured it, see ``verify.StepMeter``);
 * an int: bytes;
 * a string with a unit, "6GiB", "512MiB", "1.5GB", "300kB" (binary units are powers of 1024,
   decimal ones powers of 1000). Given to ``rematerialize``, bytes bound the step's peak above

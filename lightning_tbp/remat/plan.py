@@ -30,9 +30,9 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.held import HeldMemory
-from lightning_tbp.memory.meters import measure_peak
+from lightning_tbp.memory.meters import refuse_nested_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
-from lightning_tbp.remat.budget import MemoryBudget, parse_budget
+from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate_blocks import Calibration, calibrate
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
@@ -44,10 +44,10 @@ from lightning_tbp.remat.signature import (
     input_signature,
 )
 from lightning_tbp.remat.simulate import Option, Simulator
-from lightning_tbp.remat.solve import Solver
+from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
 from lightning_tbp.remat.step import step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace
-from lightning_tbp.remat.verify import StepMeter, Verification
+from lightning_tbp.remat.verify import StepMeter, StepReading, Verification
 
 log = logging.getLogger("lightning_tbp")
 
@@ -67,7 +67,7 @@ class _Profile:
     """What re-solving one signature needs, kept so a correction does not profile again."""
 
     trace: Trace
-    solver: Solver
+    solver: Solver  # replaced when a measured loss is folded in
     signature: Signature
     batch_size: int | None
     device: torch.device
@@ -119,6 +119,7 @@ class Plan:
         self._meter = StepMeter()
         self._metered: ShapePlan | None = None  # the plan whose step the meter is on
         self._metered_batch: int | None = None  # and that step's batch
+        self._loss_per_output_byte = 0.0  # the loss's measured bytes over its module outputs' (0: not yet)
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
         self._active: dict[str, Option] = {}
         self._cache_limits: dict[str, int] = {}
@@ -126,6 +127,7 @@ class Plan:
         self._planning = False
         self._inside_call = False  # planning from the module's own forward pre-hook
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._after_hook = module.register_forward_hook(self._after_forward)
 
     # -- planning ---------------------------------------------------------------------------------
     def plan_for(self, args: tuple, kwargs: dict) -> ShapePlan:
@@ -194,6 +196,17 @@ class Plan:
         finally:
             self._inside_call = False
 
+    def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._planning:
+            self._meter.forward_ended(output)  # the loss window of a metered step opens here
+
+    def _selective(self) -> bool:
+        """Whether plans may use selective blocks, whose cache torch hands to one backward only."""
+        return self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
+
+    def _solver(self, trace: Trace, loss_bytes: int) -> Solver:
+        return Solver(Simulator(trace, step_model_for(self.module), loss_bytes), selective=self._selective())
+
     def _solve(self, key: Signature, signature: Signature, args: tuple, kwargs: dict) -> ShapePlan:
         """Profile this call (the plain module, not the plan in force) and solve it."""
         self._planning = True
@@ -206,10 +219,8 @@ class Plan:
         finally:
             self._active.update(active)
             self._planning = False
-        step = step_model_for(self.module)
-        selective = self.backward_passes == 1 and step.backward_passes == 1
         if self._calibration is None:  # once per plan: option costs timed on the model's own blocks
-            options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
+            options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if self._selective() else (Option.FULL, Option.LAZY)
             self._planning = True
             try:
                 self._calibration = calibrate(self.module, trace, args, kwargs, options, inside_call=self._inside_call)
@@ -217,10 +228,11 @@ class Plan:
                 self._planning = False
             profile_seconds = time.perf_counter() - start
         trace.option_scale = self._calibration.option_scale
-        solver = Solver(Simulator(trace, step), selective=selective)
+        # a loss measured on an earlier signature's step, scaled to these outputs
+        loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes)
         profile = _Profile(
             trace,
-            solver,
+            self._solver(trace, loss_bytes),
             signature,
             batch_size_of(args, kwargs),
             _device_of(self.module, args, kwargs),
@@ -260,11 +272,20 @@ class Plan:
         """Stop a running meter (call after the backward). Returns the plan this step was to
         check (a new or corrected one), its ``measured_peak_bytes`` set if the step could be
         metered; None when no check was due. Every process of a run gets a plan at the same step."""
-        peak = self._meter.stop()
+        reading = self._meter.stop()
         shape_plan, self._metered = self._metered, None
-        if shape_plan is not None and peak is not None:
-            shape_plan.measured_peak_bytes, shape_plan.measured_batch_size = peak, self._metered_batch
+        if shape_plan is not None and reading is not None:
+            self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
+
+    def _record(self, shape_plan: ShapePlan, reading: StepReading, batch: int | None) -> None:
+        """File a metered step's reading on its plan; learn what its loss holds."""
+        shape_plan.measured_peak_bytes, shape_plan.measured_batch_size = reading.peak_bytes, batch
+        shape_plan.measured_loss_bytes = reading.loss_bytes
+        key = next((k for k, sp in self.shape_plans.items() if sp is shape_plan), None)
+        outputs = self._profiles[key].trace.output_gradient_bytes if key in self._profiles else 0
+        if reading.loss_bytes is not None and outputs and shape_plan.measured_at_planned_batch:
+            self._loss_per_output_byte = reading.loss_bytes / outputs
 
     @property
     def awaits_measurement(self) -> bool:
@@ -279,20 +300,30 @@ class Plan:
         distributed run every process must call it with the same ``ratio``."""
         key = next(k for k, sp in self.shape_plans.items() if sp is shape_plan)
         profile = self._profiles[key]
-        corrected = self._agreed(
-            profile.signature, lambda: self._solve_profile(profile, correction=shape_plan.correction * ratio)
-        )
+        correction = shape_plan.correction * ratio
+        loss = shape_plan.measured_loss_bytes
+        learned = loss is not None and shape_plan.measured_at_planned_batch and loss != profile.solver.sim.loss_bytes
+        if learned:
+            # the loss, measured, joins the model; only an error it leaves beyond the planning
+            # margin (which is there for the model's own errors) scales the budget
+            profile.solver = self._solver(profile.trace, loss)
+            options = [shape_plan.options.get(node.path, Option.KEEP) for node in profile.trace.nodes]
+            unexplained = ratio * shape_plan.predicted_peak_bytes / profile.solver.sim.run(options).peak_bytes
+            correction = shape_plan.correction * (unexplained if unexplained > 1 / (1 - PLANNING_MARGIN) else 1.0)
+        corrected = self._agreed(profile.signature, lambda: self._solve_profile(profile, correction=correction))
         corrected.profile_seconds = shape_plan.profile_seconds
         self.shape_plans[key] = corrected
         self._meter_next.add(key)
         if self.current is shape_plan:
             self.current = None  # the next call activates the corrected plan
+        how = [f"its loss, measured at {format_bytes(loss or 0)}, counted"] if learned else []
+        how += [f"predictions scaled by {corrected.correction:.3f}"] if corrected.correction > 1 else []
         log.warning(
-            "lightning_tbp: the plan for %s measured %.3fx its predicted peak, above its budget; re-planned with "
-            "predictions scaled by %.3f:\n%s",
+            "lightning_tbp: the plan for %s measured %.3fx its predicted peak, above its budget; "
+            "re-planned with %s:\n%s",
             type(self.module).__name__,
             ratio,
-            corrected.correction,
+            " and ".join(how),
             self.report(corrected),
         )
         return corrected
@@ -303,9 +334,17 @@ class Plan:
         the measured error folded in (``Verification.replanned``): call again to check that one.
         """
         device = torch.device(device) if device is not None else _device_of(self.module, (), {})
-        measured = measure_peak(step, device).peak_bytes
+        if not self._meter.start(device):
+            refuse_nested_profiler()
+            raise RuntimeError("a metered step of this plan is still running: finish_measurement() first")
+        try:
+            step()
+        finally:
+            reading = self._meter.stop()
+        assert reading is not None
+        measured = reading.peak_bytes
         shape_plan = self._require(None)  # the plan the step ran (it may have made one for a new shape)
-        shape_plan.measured_peak_bytes = measured
+        self._record(shape_plan, reading, shape_plan.batch_size)
         verdict = Verification(shape_plan.predicted_peak_bytes, measured, shape_plan.budget_bytes)
         if verdict.within_budget:
             return verdict
@@ -318,6 +357,7 @@ class Plan:
         self._meter.stop()
         self._metered = None
         self._hook.remove()
+        self._after_hook.remove()
         self._wrappers.remove()
         self._active.clear()
 

@@ -30,6 +30,9 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
         f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
         f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}",
+        f"the loss (computed outside the module) counted at {format_bytes(sp.loss_bytes)}, as measured on a step"
+        if sp.loss_bytes
+        else "the loss (computed outside the module) is not counted until a metered step measures it",
     ]
     if sp.correction > 1:
         lines.append(
@@ -43,7 +46,8 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
             if sp.measured_at_planned_batch
             else f"at batch {sp.measured_batch_size} of up to {sp.batch_size}"
         )
-        lines.append(f"measured peak {format_bytes(sp.measured_peak_bytes)} = {against}, {within} the budget")
+        loss = "" if sp.measured_loss_bytes is None else f" (its loss {format_bytes(sp.measured_loss_bytes)})"
+        lines.append(f"measured peak {format_bytes(sp.measured_peak_bytes)} = {against}, {within} the budget{loss}")
     lines.append(
         f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a training "
         f"step's FLOPs; the plan adds about {sp.recompute_time_ratio:.3f} of the step's time (est.); profiled in "
@@ -67,6 +71,8 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,
+        "loss_bytes": sp.loss_bytes,
+        "measured_loss_bytes": sp.measured_loss_bytes,
         "parameter_grad_bytes": sp.parameter_grad_bytes,
         "forward_flops": sp.forward_flops,
         "predicted_recompute_flops": sp.planned.recompute_flops,

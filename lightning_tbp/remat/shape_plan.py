@@ -61,6 +61,8 @@ class ShapePlan:
     correction: float = 1.0  # measured over predicted peak folded into a re-plan (1: none)
     measured_peak_bytes: int | None = None  # filled when the plan's step is metered
     measured_batch_size: int | None = None  # that step's batch: below ``batch_size``, only the budget is comparable
+    loss_bytes: int = 0  # what the prediction allows for the loss (``Simulator``; 0 until one was measured)
+    measured_loss_bytes: int | None = None  # the loss of the metered step (``verify.StepReading``)
 
     @property
     def measured_at_planned_batch(self) -> bool:
@@ -123,7 +125,7 @@ def solve_shape(
             solution = solver.solve(int(budget_bytes / correction))
         except InfeasibleBudgetError as error:
             if not budget.is_fraction_default(device):
-                _explain(error, budget, budget_bytes, held, batch_ceiling, correction)
+                _explain(error, budget, budget_bytes, held, batch_ceiling, correction, simulator.loss_bytes)
                 raise
             warnings.warn(
                 f"lightning_tbp: memory_budget='auto' means {budget.describe_resolved(device)} here, below what "
@@ -156,6 +158,7 @@ def solve_shape(
         peak_block=_peak_block(trace, simulator, options, planned),
         solve_seconds=solve_seconds,
         correction=correction,
+        loss_bytes=simulator.loss_bytes,
     )
 
 
@@ -166,6 +169,7 @@ def _explain(
     held: HeldMemory | None,
     batch_ceiling: int | None,
     correction: float,
+    loss_bytes: int,
 ) -> None:
     if held is not None and budget.kind == "bytes":
         error.add_note(
@@ -178,6 +182,12 @@ def _explain(
         error.add_note(
             f"the plan is made for the batch ceiling, {batch_ceiling} samples per call (Poisson batches vary in "
             "size), so the budget must hold a batch that large"
+        )
+    if loss_bytes:
+        error.add_note(
+            f"the minimum counts the loss computed from the module's outputs, {format_bytes(loss_bytes)} as "
+            "measured on a step: a loss that holds less (no float copies or extra temporaries of the outputs) "
+            "needs less"
         )
     if correction > 1:
         error.add_note(
@@ -211,6 +221,8 @@ def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int
 
 
 def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> str:
+    if planned.peak_in_loss:
+        return "loss (after the module's forward, before its backward)"
     snapshot = simulator.snapshot(options, planned.peak_step)
     if snapshot.region:
         return f"recompute/backward of {trace.nodes[snapshot.region].path}"

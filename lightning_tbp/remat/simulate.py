@@ -98,17 +98,22 @@ class SimResult:
     forward_end_bytes: int
     peak_step: int
     recompute_counts: dict[int, int] = field(default_factory=dict)
+    peak_in_loss: bool = False  # the peak falls in the loss's window (``Simulator`` ``loss_bytes``)
 
 
 class Simulator:
     """Replays one trace under many plans; the per-trace preprocessing is done once.
 
     ``step``: the backward passes of the training step (a DP engine's, see ``step.py``); a plain
-    single backward by default."""
+    single backward by default. ``loss_bytes``: what the step's loss holds at its peak above the
+    state at the module's forward end, its outputs' gradients included (measured on a real step,
+    ``verify.StepReading``; 0 until then): the loss is computed outside the module, so no trace
+    sees it, and every backward pass runs its backward first."""
 
-    def __init__(self, trace: Trace, step: StepModel = PLAIN_STEP) -> None:
+    def __init__(self, trace: Trace, step: StepModel = PLAIN_STEP, loss_bytes: int = 0) -> None:
         self.trace = trace
         self.step = step
+        self.loss_bytes = loss_bytes
         self.taps = {tap.event: tap for tap in trace.taps}
         # passes that compute gradients (the probe does not): each unpacks, so rebuilds, again
         self.backward_passes = sum(p.parameter_gradients or bool(p.tap_transient) for p in step.passes)
@@ -334,6 +339,7 @@ class _Replay:
         self.deferred: list[tuple[int, list[int]]] = []  # replayed checkpoints: (block, output grads kept)
         self.deferring = False  # inside such a block's backward: its taps book nothing
         self.timing = True  # costs are charged (not in a first-step-only probe pass)
+        self.loss_steps: set[int] = set()
 
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
@@ -343,6 +349,11 @@ class _Replay:
             # a DP engine's independence probe runs on a graph's first step only: its memory
             # counts (the plan must hold then too), its recomputation is not a cost of every step
             self.timing = backward_pass.parameter_gradients or bool(backward_pass.tap_transient)
+            if sim.loss_bytes:  # the loss's backward (its forward, too, before the first pass)
+                self.mem += sim.loss_bytes
+                self.loss_steps.add(self.step)
+                self.tick()
+                self.mem -= sim.loss_bytes
             for sid in trace.module_outputs:
                 if trace.storage_needs_grad[sid] and sid not in self.grads:
                     self.grads.add(sid)
@@ -359,6 +370,7 @@ class _Replay:
             forward_end_bytes=self.forward_end,
             peak_step=self.peak_step,
             recompute_counts=self.recompute_counts,
+            peak_in_loss=self.peak_step in self.loss_steps,
         )
 
     # -- bookkeeping ----------------------------------------------------------------------------

@@ -112,6 +112,11 @@ class Trace:
     def num_events(self) -> int:
         return len(self.event_node)
 
+    @property
+    def output_gradient_bytes(self) -> int:
+        """Bytes of the gradients the module's outputs receive: the scale of the loss computed from them."""
+        return sum(self.storage_bytes[sid] for sid in set(self.module_outputs) if self.storage_needs_grad[sid])
+
     def step_ns(self, backward_passes: int) -> float:
         """Predicted time of the unplanned step: every op's forward (in its block's real forward)
         and, per backward pass, its backward; recomputation is priced against it."""

@@ -15,6 +15,7 @@ import torch
 
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.replay import output_tensors
 
 
 def can_meter(device: torch.device) -> bool:
@@ -22,12 +23,32 @@ def can_meter(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and not profiler_active())
 
 
+@dataclass(frozen=True)
+class StepReading:
+    """What a metered step measured."""
+
+    peak_bytes: int
+    """The step's allocator peak above what was held when its forward started."""
+    loss_bytes: int | None = None
+    """Peak of the window from the module's forward end to its outputs' first gradient (the
+    loss's forward and backward, that gradient included) above the memory held at its start;
+    None when the window was not seen (the outputs got no gradient)."""
+
+
 class StepMeter:
-    """One metering session at a time, opened when a plan's step starts and closed after its backward."""
+    """One metering session at a time, opened when a plan's step starts and closed after its backward.
+
+    The planner's trace ends with the module's forward, so the step's loss (computed by the
+    caller from the module's outputs) is not in it. The meter measures it apart: told where the
+    forward ended (:meth:`forward_ended`), it notes that instant and the arrival of the outputs'
+    first gradient, and reports the peak of the window between them (``StepReading.loss_bytes``).
+    """
 
     def __init__(self) -> None:
         self._session: contextlib.ExitStack | None = None
         self._reading: AllocatorPeak | None = None
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._window = 0  # marks the loss window has seen: 0 (not started), 1 (open) or 2 (closed)
 
     @property
     def running(self) -> bool:
@@ -39,16 +60,36 @@ class StepMeter:
             return False
         self._session = contextlib.ExitStack()
         self._reading = self._session.enter_context(allocator_peak(device))
+        self._window = 0
         return True
 
-    def stop(self) -> int | None:
-        """Close the session; its peak in bytes (None if none was open)."""
-        if self._session is None:
+    def forward_ended(self, output: object) -> None:
+        """The metered module's forward returned ``output``: open the loss window (once a session)."""
+        if self._reading is None or self._window:
+            return
+        self._reading.mark()
+        self._window = 1
+        self._hooks = [t.register_hook(self._gradient_arrived) for t in output_tensors(output) if t.requires_grad]
+
+    def _gradient_arrived(self, grad: torch.Tensor) -> None:
+        if self._reading is not None and self._window == 1:
+            self._reading.mark()
+            self._window = 2
+
+    def stop(self) -> StepReading | None:
+        """Close the session; what it measured (None if none was open)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if self._session is None or self._reading is None:
             return None
         self._session.close()
-        peak = self._reading.peak_bytes if self._reading is not None else None
-        self._session = self._reading = None
-        return peak
+        reading, self._session, self._reading = self._reading, None, None
+        loss = None
+        if len(reading.marks) >= 2:
+            forward_end, loss_end = reading.marks[0], reading.marks[1]
+            loss = loss_end.peak_before_bytes - forward_end.level_bytes
+        return StepReading(reading.peak_bytes, loss)
 
 
 @dataclass(frozen=True)
@@ -76,5 +117,5 @@ class Verification:
             f"({self.ratio:.3f}x), {verdict} the budget {format_bytes(self.budget_bytes)}"
         )
         if self.replanned:
-            text += f"; re-planned with predictions scaled by {self.ratio:.3f}"
+            text += "; re-planned with the measurement folded in"
         return text

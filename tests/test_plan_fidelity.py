@@ -194,6 +194,28 @@ def test_no_plan_costs_more_than_uniform_checkpointing_that_fits_the_same_budget
         assert solution.result.recompute_cost <= result.recompute_cost * (1 + 1e-9), options
 
 
+def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
+    """A greedy path that takes a whole stage early (the VAE's encoder in full, its decoder lazy:
+    a plan the zoo drew once at 2.5x the usual cost) cannot be pruned into a finer plan, since
+    pruning only undoes or softens; refining splits each coarse decision into its child blocks and
+    prunes those, so at a budget the coarse plan fits with room, the result fits and costs less."""
+    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.solve import Solver
+    from lightning_tbp.remat.trace import record_trace
+
+    case = ZOO["vae"].case(batch=2)
+    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
+    paths = {node.path: node.index for node in solver.nodes}
+    coarse = [Option.KEEP] * len(solver.nodes)
+    coarse[paths["encoder"]], coarse[paths["decoder"]] = Option.FULL, Option.LAZY
+    result = solver.replay(coarse)
+    budget = (result.peak_bytes + solver.naive().peak_bytes) // 2
+    options, refined = solver.refine(coarse, result, budget)
+    assert refined.peak_bytes <= budget
+    assert refined.recompute_cost < 0.9 * result.recompute_cost, (refined.recompute_cost, result.recompute_cost)
+    assert options[paths["encoder"]] == options[paths["decoder"]] == Option.KEEP
+
+
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(name: str) -> None:
     """The lowest budget an InfeasibleBudgetError names is a promise too: retried, it plans; and
@@ -355,5 +377,43 @@ def test_a_metered_step_measures_its_loss_and_later_plans_count_it(name: str) ->
         assert second.within_budget and not second.replanned, second.describe()
         assert abs(second.ratio - 1) <= TOLERANCE, second.describe()
         assert shape_plan.measured_loss_bytes == pytest.approx(shape_plan.loss_bytes, rel=TOLERANCE)
+    finally:
+        plan.remove()
+
+
+def test_the_first_plan_counts_the_loss_diffusion_training_computes() -> None:
+    """Before any step is metered, a plan assumes the loss of diffusion training (the MSE of the
+    first output, per sample, then over the batch; ``remat/loss.py``). On a model small enough
+    that the loss is a large share of its step (the recipe tests' DiT), the peak falls in the
+    loss, and a step with that loss is predicted at its first try."""
+    import torch.nn.functional as F
+    from diffusers import DiTTransformer2DModel
+
+    torch.manual_seed(0)
+    model = DiTTransformer2DModel(
+        sample_size=32, patch_size=8, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+        in_channels=3, out_channels=3, num_embeds_ada_norm=3,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    x, target = torch.randn(2, 3, 32, 32, generator=generator), torch.randn(2, 3, 32, 32, generator=generator)
+    kwargs = {"timestep": torch.tensor([10, 500]), "class_labels": torch.tensor([0, 2])}
+
+    def loss() -> torch.Tensor:  # as DiffusionModule: its squared error is freed once averaged
+        squared_error = F.mse_loss(model(x, **kwargs).sample.float(), target, reduction="none")
+        return squared_error.flatten(1).mean(dim=1).mean()
+
+    def step() -> None:
+        loss().backward()
+
+    plan = rematerialize(model, x, memory_budget="1MiB", **kwargs)  # room for any plan: the prediction is tested
+    try:
+        assert not plan.current.loss_measured
+        assert plan.current.loss_bytes >= 2 * target.numel() * 4  # the float error and its gradient at least
+        assert "assumed" in plan.report() and plan.current.peak_block.startswith("loss")
+        step()
+        model.zero_grad(set_to_none=True)
+        verdict = plan.verify(step)
+        assert abs(verdict.ratio - 1) <= TOLERANCE, verdict.describe()
+        assert plan.current.measured_loss_bytes == pytest.approx(plan.current.loss_bytes, rel=TOLERANCE)
     finally:
         plan.remove()

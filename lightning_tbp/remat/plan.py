@@ -72,6 +72,7 @@ class _Profile:
     batch_size: int | None
     device: torch.device
     held: HeldMemory | None
+    loss_measured: bool  # the solver's loss was measured on a step (else assumed, ``loss.py``)
 
 
 class Plan:
@@ -228,8 +229,8 @@ class Plan:
                 self._planning = False
             profile_seconds = time.perf_counter() - start
         trace.option_scale = self._calibration.option_scale
-        # a loss measured on an earlier signature's step, scaled to these outputs
-        loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes)
+        # a loss measured on an earlier signature's step, scaled to these outputs; else the assumed one
+        loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes) or trace.assumed_loss_bytes
         profile = _Profile(
             trace,
             self._solver(trace, loss_bytes),
@@ -237,6 +238,7 @@ class Plan:
             batch_size_of(args, kwargs),
             _device_of(self.module, args, kwargs),
             self.held() if self.held is not None else None,
+            loss_measured=self._loss_per_output_byte > 0,
         )
         self._profiles[key] = profile
         shape_plan = self._solve_profile(profile, correction=1.0)
@@ -253,6 +255,7 @@ class Plan:
             profile.device,
             profile.held,
             correction=correction,
+            loss_measured=profile.loss_measured,
             batch_ceiling=self.batch_ceiling,
             module_name=type(self.module).__name__,
         )
@@ -306,7 +309,7 @@ class Plan:
         if learned:
             # the loss, measured, joins the model; only an error it leaves beyond the planning
             # margin (which is there for the model's own errors) scales the budget
-            profile.solver = self._solver(profile.trace, loss)
+            profile.solver, profile.loss_measured = self._solver(profile.trace, loss), True
             options = [shape_plan.options.get(node.path, Option.KEEP) for node in profile.trace.nodes]
             unexplained = ratio * shape_plan.predicted_peak_bytes / profile.solver.sim.run(options).peak_bytes
             correction = shape_plan.correction * (unexplained if unexplained > 1 / (1 - PLANNING_MARGIN) else 1.0)

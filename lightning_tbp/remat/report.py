@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
-from lightning_tbp.remat.shape_plan import ShapePlan, describe_held
+from lightning_tbp.remat.shape_plan import ShapePlan, describe_held, describe_loss
 
 
 def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
@@ -30,9 +30,9 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
         f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
         f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}",
-        f"the loss (computed outside the module) counted at {format_bytes(sp.loss_bytes)}, as measured on a step"
+        f"the prediction counts {describe_loss(sp.loss_bytes, sp.loss_measured)}"
         if sp.loss_bytes
-        else "the loss (computed outside the module) is not counted until a metered step measures it",
+        else "the loss computed from the module's outputs is not counted until a metered step measures it",
     ]
     if sp.correction > 1:
         lines.append(
@@ -72,6 +72,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,
         "loss_bytes": sp.loss_bytes,
+        "loss_measured": sp.loss_measured,
         "measured_loss_bytes": sp.measured_loss_bytes,
         "parameter_grad_bytes": sp.parameter_grad_bytes,
         "forward_flops": sp.forward_flops,

@@ -61,7 +61,8 @@ class ShapePlan:
     correction: float = 1.0  # measured over predicted peak folded into a re-plan (1: none)
     measured_peak_bytes: int | None = None  # filled when the plan's step is metered
     measured_batch_size: int | None = None  # that step's batch: below ``batch_size``, only the budget is comparable
-    loss_bytes: int = 0  # what the prediction allows for the loss (``Simulator``; 0 until one was measured)
+    loss_bytes: int = 0  # what the prediction allows for the loss computed from the outputs (``loss.py``)
+    loss_measured: bool = False  # that loss was measured on a step (else assumed)
     measured_loss_bytes: int | None = None  # the loss of the metered step (``verify.StepReading``)
 
     @property
@@ -97,6 +98,7 @@ def solve_shape(
     held: HeldMemory | None,
     *,
     correction: float = 1.0,
+    loss_measured: bool = False,
     batch_ceiling: int | None = None,
     module_name: str = "module",
 ) -> ShapePlan:
@@ -125,7 +127,15 @@ def solve_shape(
             solution = solver.solve(int(budget_bytes / correction))
         except InfeasibleBudgetError as error:
             if not budget.is_fraction_default(device):
-                _explain(error, budget, budget_bytes, held, batch_ceiling, correction, simulator.loss_bytes)
+                _explain(
+                    error,
+                    budget,
+                    budget_bytes,
+                    held,
+                    batch_ceiling,
+                    correction,
+                    describe_loss(simulator.loss_bytes, loss_measured),
+                )
                 raise
             warnings.warn(
                 f"lightning_tbp: memory_budget='auto' means {budget.describe_resolved(device)} here, below what "
@@ -159,6 +169,7 @@ def solve_shape(
         solve_seconds=solve_seconds,
         correction=correction,
         loss_bytes=simulator.loss_bytes,
+        loss_measured=loss_measured,
     )
 
 
@@ -169,7 +180,7 @@ def _explain(
     held: HeldMemory | None,
     batch_ceiling: int | None,
     correction: float,
-    loss_bytes: int,
+    loss: str,
 ) -> None:
     if held is not None and budget.kind == "bytes":
         error.add_note(
@@ -183,17 +194,21 @@ def _explain(
             f"the plan is made for the batch ceiling, {batch_ceiling} samples per call (Poisson batches vary in "
             "size), so the budget must hold a batch that large"
         )
-    if loss_bytes:
-        error.add_note(
-            f"the minimum counts the loss computed from the module's outputs, {format_bytes(loss_bytes)} as "
-            "measured on a step: a loss that holds less (no float copies or extra temporaries of the outputs) "
-            "needs less"
-        )
+    if loss:
+        error.add_note(f"the minimum counts {loss}: a loss that holds less needs less")
     if correction > 1:
         error.add_note(
             f"a measured step peaked {correction:.3f}x above its prediction, so plans are solved for the budget "
             "divided by that; the minimum named above is before that correction"
         )
+
+
+def describe_loss(loss_bytes: int, measured: bool) -> str:
+    """How a plan counts the loss computed from the module's outputs (empty when it does not)."""
+    if not loss_bytes:
+        return ""
+    how = "as measured on a step" if measured else "assumed: an MSE of its first output, until a step is metered"
+    return f"the loss computed from the module's outputs, {format_bytes(loss_bytes)} ({how})"
 
 
 def describe_held(held: HeldMemory) -> str:

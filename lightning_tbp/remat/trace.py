@@ -30,9 +30,10 @@ from torch import nn
 
 from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten
 from lightning_tbp.memory.held import local_bytes
-from lightning_tbp.remat.calibrate import OpCalibrator
+from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.lazy import is_recomputable
+from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
 from lightning_tbp.remat.step import TapNote, listening_for_taps, stop_listening
@@ -104,6 +105,8 @@ class Trace:
     # (``calibrate_blocks.py``); the model's estimate stands where none was measured
     option_scale: dict = field(default_factory=dict)
     taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
+    # Peak of the loss a step is assumed to compute from the outputs until one is measured (``loss.py``)
+    assumed_loss_bytes: int = 0
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU)
     checkpoint_state_bytes: int = 0
@@ -423,6 +426,7 @@ def record_trace(
             output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
             recorder.finish()
             trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
+            outputs = [TensorSpec.of(t, t.requires_grad) for t in _output_tensors(output)]
             recorder.recording = False  # what dies now dies with the forward's result
             del output
         workspaces: dict[int, tuple[int, int]] = {}
@@ -433,6 +437,7 @@ def record_trace(
                 # attention's logsumexp): its op's backward is timed without one
                 consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
                 times, workspaces = recorder.calibrator.measure(consumed)
+                trace.assumed_loss_bytes = assumed_loss_bytes(outputs)
             _meter_taps(trace.taps, measure)
     finally:
         stop_listening(listening)

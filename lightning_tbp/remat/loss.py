@@ -1,0 +1,34 @@
+"""The loss a training step computes from the module's outputs, which no trace of the module sees.
+
+It runs after the forward, while everything the forward kept is still held, so on a model whose
+outputs are a sizeable share of its step it decides the peak (``docs/design.md``, "The loss").
+A metered step measures the real one (``verify.StepMeter``); until then a plan assumes the loss
+of diffusion training: the mean squared error of the first output, in float, to a target of its
+shape, per sample and then over the batch, as ``DiffusionModule`` computes it. Assumed, but
+measured: that loss is run once on stand-ins of the output under the exact allocator meter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
+from lightning_tbp.remat.calibrate import TensorSpec
+
+
+def assumed_loss_bytes(outputs: list[TensorSpec]) -> int:
+    """Peak of the assumed loss of ``outputs`` above them, its output gradient included (0 when
+    no output needs a gradient, or a running profiler keeps the CPU meter off)."""
+    first = next((o for o in outputs if o.needs_grad and o.dtype.is_floating_point), None)
+    if first is None or first.device.type not in ("cpu", "cuda") or (first.device.type == "cpu" and profiler_active()):
+        return 0
+    prediction = first.materialise()
+    target = TensorSpec(first.shape, first.stride, torch.float32, first.device).materialise()
+    with garbage_collection_held(collect=False), allocator_peak(first.device) as reading:
+        squared_error = F.mse_loss(prediction.float(), target, reduction="none")
+        per_sample = squared_error.flatten(1).mean(dim=1) if squared_error.dim() > 1 else squared_error
+        del squared_error
+        per_sample.mean().backward()
+        del per_sample
+    return reading.peak_bytes

@@ -297,10 +297,13 @@ class TinyBackpropMixin:
                 if comparable
                 else f"at batch {checked.measured_batch_size} (planned for up to {checked.batch_size})"
             )
+            loss = checked.measured_loss_bytes
+            counted = format_bytes(checked.loss_bytes)
+            loss = "" if loss is None else f"; its loss {format_bytes(loss)}, counted as {counted}"
             rank_zero_info(
                 f"tiny_backprop: measured peak {format_bytes(measured)} {against}, "
                 f"{'within' if measured <= checked.budget_bytes else 'OVER'} the budget "
-                f"{format_bytes(checked.budget_bytes)} on rank 0"
+                f"{format_bytes(checked.budget_bytes)} on rank 0{loss}"
             )
         if over:
             self.plan.correct(checked, ratio)

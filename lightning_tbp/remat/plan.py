@@ -337,9 +337,11 @@ class Plan:
         the measured error folded in (``Verification.replanned``): call again to check that one.
         """
         device = torch.device(device) if device is not None else _device_of(self.module, (), {})
+        if self._meter.running:
+            raise RuntimeError("a metered step of this plan is still running: call finish_measurement() first")
         if not self._meter.start(device):
-            refuse_nested_profiler()
-            raise RuntimeError("a metered step of this plan is still running: finish_measurement() first")
+            refuse_nested_profiler()  # why on CPU
+            raise ValueError(f"no exact allocator meter for device type {device.type!r} (cpu and cuda are supported)")
         try:
             step()
         finally:

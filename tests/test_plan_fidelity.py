@@ -415,5 +415,15 @@ def test_the_first_plan_counts_the_loss_diffusion_training_computes() -> None:
         verdict = plan.verify(step)
         assert abs(verdict.ratio - 1) <= TOLERANCE, verdict.describe()
         assert plan.current.measured_loss_bytes == pytest.approx(plan.current.loss_bytes, rel=TOLERANCE)
+
+        def step_after_an_inference_call() -> None:  # (an EMA or teacher call, say): not the loss's window
+            with torch.no_grad():
+                model(x, **kwargs)
+            step()
+
+        measured_loss = plan.current.measured_loss_bytes
+        model.zero_grad(set_to_none=True)
+        plan.verify(step_after_an_inference_call)
+        assert plan.current.measured_loss_bytes == measured_loss
     finally:
         plan.remove()

@@ -64,12 +64,14 @@ class StepMeter:
         return True
 
     def forward_ended(self, output: object) -> None:
-        """The metered module's forward returned ``output``: open the loss window (once a session)."""
-        if self._reading is None or self._window:
+        """The metered module's forward returned ``output``: open the loss window (once a session,
+        at the first forward whose outputs will get gradients)."""
+        differentiable = [t for t in output_tensors(output) if t.requires_grad]
+        if self._reading is None or self._window or not differentiable:
             return
         self._reading.mark()
         self._window = 1
-        self._hooks = [t.register_hook(self._gradient_arrived) for t in output_tensors(output) if t.requires_grad]
+        self._hooks = [t.register_hook(self._gradient_arrived) for t in differentiable]
 
     def _gradient_arrived(self, grad: torch.Tensor) -> None:
         if self._reading is not None and self._window == 1:

@@ -5,6 +5,8 @@ import weakref
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import CASES, feasible_range, make_case
 
 from lightning_tbp import rematerialize
@@ -130,17 +132,34 @@ def test_holding_the_collector_off_without_collecting_keeps_old_cycles_alive_ins
     assert alive() is None
 
 
-def test_marks_split_a_region_into_windows_with_exact_levels_and_peaks() -> None:
+_EVENTS = st.lists(
+    st.one_of(st.tuples(st.just("alloc"), st.integers(1, 1 << 16)), st.just(("free",)), st.just(("mark",))),
+    max_size=24,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(events=_EVENTS)
+def test_marks_split_a_region_into_windows_with_exact_levels_and_peaks(events) -> None:
     """A plan's meter splits a step at its module's forward end and at its outputs' first
-    gradient, to measure the loss between them: each mark gives the level there and the peak
-    since the previous mark, exact to the byte, and the region's peak is unchanged."""
+    gradient, to measure the loss between them: for any sequence of allocations, frees and
+    marks, each mark gives the level there and the peak since the previous mark to the byte,
+    and the region's own peak and net are those of the whole sequence."""
+    held: list[torch.Tensor] = []
+    level = peak = window = 0
+    expected = []
     with allocator_peak() as reading:
-        kept = torch.empty(1000, dtype=torch.uint8)
-        reading.mark()
-        transient = torch.empty(3000, dtype=torch.uint8)
-        del transient
-        more = torch.empty(500, dtype=torch.uint8)
-        reading.mark()
-        del kept, more
-    assert [(m.level_bytes, m.peak_before_bytes) for m in reading.marks] == [(1000, 1000), (1500, 4000)]
-    assert (reading.peak_bytes, reading.net_bytes) == (4000, 0)
+        for event in events:
+            if event[0] == "alloc":
+                held.append(torch.empty(event[1], dtype=torch.uint8))
+                level += event[1]
+                peak, window = max(peak, level), max(window, level)
+            elif event[0] == "free" and held:
+                level -= held.pop(0).numel()
+            elif event[0] == "mark":
+                reading.mark()
+                expected.append((level, window))
+                window = level
+        held.clear()
+    assert [(m.level_bytes, m.peak_before_bytes) for m in reading.marks] == expected
+    assert (reading.peak_bytes, reading.net_bytes) == (peak, 0)

@@ -116,18 +116,16 @@ def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
     finally:
         result._marker = None
     events = prof.profiler.kineto_results.events()
-    marks = iter(sorted(e.start_ns() for e in events if e.name() == _MARK))
-    next_mark = next(marks, None)
+    marks: list[tuple[int, int | None]] = [(e.start_ns(), None) for e in events if e.name() == _MARK]
     current = peak = window = 0
-    for time_ns, nbytes in cpu_memory_events(events):
-        while next_mark is not None and next_mark < time_ns:
+    # a stable sort: an allocation at a mark's very nanosecond counts before it
+    for _, nbytes in sorted(cpu_memory_events(events) + marks, key=lambda event: event[0]):
+        if nbytes is None:
             result.marks.append(Mark(current, window))
-            window, next_mark = current, next(marks, None)
+            window = current
+            continue
         current += nbytes
         peak, window = max(peak, current), max(window, current)
-    while next_mark is not None:
-        result.marks.append(Mark(current, window))
-        window, next_mark = current, next(marks, None)
     result.peak_bytes, result.net_bytes = peak, current
 
 

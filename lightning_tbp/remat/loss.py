@@ -13,15 +13,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
 from lightning_tbp.remat.calibrate import TensorSpec
+from lightning_tbp.remat.verify import can_meter
 
 
 def assumed_loss_bytes(outputs: list[TensorSpec]) -> int:
     """Peak of the assumed loss of ``outputs`` above them, its output gradient included (0 when
     no output needs a gradient, or a running profiler keeps the CPU meter off)."""
     first = next((o for o in outputs if o.needs_grad and o.dtype.is_floating_point), None)
-    if first is None or first.device.type not in ("cpu", "cuda") or (first.device.type == "cpu" and profiler_active()):
+    if first is None or not can_meter(first.device):
         return 0
     prediction = first.materialise()
     target = TensorSpec(first.shape, first.stride, torch.float32, first.device).materialise()

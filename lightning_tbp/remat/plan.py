@@ -281,11 +281,14 @@ class Plan:
             self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
 
+    def _key_of(self, shape_plan: ShapePlan) -> Signature | None:
+        return next((key for key, planned in self.shape_plans.items() if planned is shape_plan), None)
+
     def _record(self, shape_plan: ShapePlan, reading: StepReading, batch: int | None) -> None:
         """File a metered step's reading on its plan; learn what its loss holds."""
         shape_plan.measured_peak_bytes, shape_plan.measured_batch_size = reading.peak_bytes, batch
         shape_plan.measured_loss_bytes = reading.loss_bytes
-        key = next((k for k, sp in self.shape_plans.items() if sp is shape_plan), None)
+        key = self._key_of(shape_plan)
         outputs = self._profiles[key].trace.output_gradient_bytes if key in self._profiles else 0
         if reading.loss_bytes is not None and outputs and shape_plan.measured_at_planned_batch:
             self._loss_per_output_byte = reading.loss_bytes / outputs
@@ -301,7 +304,7 @@ class Plan:
 
         Raises :class:`InfeasibleBudgetError` if no plan fits with the correction. In a
         distributed run every process must call it with the same ``ratio``."""
-        key = next(k for k, sp in self.shape_plans.items() if sp is shape_plan)
+        key = self._key_of(shape_plan)
         profile = self._profiles[key]
         correction = shape_plan.correction * ratio
         loss = shape_plan.measured_loss_bytes

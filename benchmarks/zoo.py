@@ -6,12 +6,17 @@ step (forward, MSE to a fixed target, backward, fp32) is measured plainly and un
 * ``diffusers``: the model's own ``enable_gradient_checkpointing()`` (where it has one);
 * ``tbp:0.5`` and ``tbp:lowest``: lightning_tbp plans at half the naive peak and at the lowest
   budget the planner reaches;
-* ``tbp:at_diffusers``: a plan whose budget is the peak diffusers' checkpointing measured.
+* ``tbp:at_diffusers``: a plan whose budget is the peak diffusers' checkpointing measured (the
+  planner aims 5% below a budget, so this plan peaks lower than diffusers);
+* ``tbp:equal_peak``: a plan allowed to peak where diffusers' checkpointing peaks (the budget
+  whose margin ends at that peak): the comparison at equal peak.
 
 Per mode: the exact allocator peak (CPU: profiler events; CUDA: allocator statistics), the
 budget and the predicted peak, FLOPs (recomputation included), the median step time over
 interleaved rounds (every mode sees the same drift), the predicted and measured time overhead
-over the plain step, and the largest relative gradient difference from plain autograd.
+over the plain step, and the largest relative gradient difference from plain autograd. On Linux
+the script re-runs itself with glibc's malloc thresholds fixed (``common.STEADY_MALLOC``), so step
+times do not depend on how often a process happens to page-fault its tensors afresh.
 
     python benchmarks/zoo.py --all --out docs/benchmarks/zoo          # every architecture, CPU
     python benchmarks/zoo.py --arch sd3 --out /tmp/zoo                 # one
@@ -33,7 +38,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_label, grads_of, max_rel_diff, pyplot, timed_step
+from common import device_label, grads_of, malloc_settings, max_rel_diff, pyplot, run_with_steady_malloc, timed_step
 from zoo_models import BENCH_ONLY, ZOO, ZooCase
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
@@ -41,6 +46,7 @@ from lightning_tbp.environment import machine_info
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.flops import FLOP_FORMULAS
+from lightning_tbp.remat.solve import budget_for_peak
 
 #: Batch per architecture: activations, not parameter gradients, dominate the step at these.
 BATCHES = {"unet2d": 2, "sdxl_unet": 8, "controlnet": 8, "vae": 2, "dit": 8, "pixart": 8, "sana": 2, "sd3": 8}
@@ -93,6 +99,7 @@ def run_architecture(name: str, trials: int) -> dict[str, Any]:
     budgets: dict[str, object] = {"tbp:0.5": 0.5, "tbp:lowest": "lowest"}
     if "diffusers" in rows:
         budgets["tbp:at_diffusers"] = rows["diffusers"]["peak_bytes"]
+        budgets["tbp:equal_peak"] = budget_for_peak(rows["diffusers"]["peak_bytes"])
     for mode, budget in budgets.items():
         if budget == "lowest":
             try:
@@ -127,6 +134,8 @@ def run_architecture(name: str, trials: int) -> dict[str, Any]:
         if "predicted_peak_bytes" in row:
             row["measured_vs_predicted"] = row["peak_bytes"] / row["predicted_peak_bytes"]
             row["measured_vs_budget"] = row["peak_bytes"] / row["budget_bytes"]
+            if "diffusers" in rows:
+                row["peak_vs_diffusers"] = row["peak_bytes"] / rows["diffusers"]["peak_bytes"]
     parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     return {
         "architecture": name,
@@ -136,6 +145,7 @@ def run_architecture(name: str, trials: int) -> dict[str, Any]:
         "parameter_gradient_share_of_naive": parameter_bytes / naive["peak_bytes"],
         "rows": rows,
         "machine": machine_info(),
+        "malloc": malloc_settings(),
     }
 
 
@@ -183,11 +193,11 @@ def _time_in_turns(case, rows, plans, inner, trials: int, device: torch.device) 
 def plot(results: list[dict[str, Any]]) -> Any:
     plt = pyplot()
     figure, (memory, time_axis) = plt.subplots(1, 2, figsize=(13, 4.5))
-    modes = ["diffusers", "tbp:at_diffusers", "tbp:0.5", "tbp:lowest"]
-    width = 0.2
+    modes = ["diffusers", "tbp:equal_peak", "tbp:at_diffusers", "tbp:0.5", "tbp:lowest"]
+    width = 0.16
     names = [r["architecture"] for r in results]
     for offset, mode in enumerate(modes):
-        xs = [i + (offset - 1.5) * width for i in range(len(names))]
+        xs = [i + (offset - 2) * width for i in range(len(names))]
         peaks = [r["rows"].get(mode, {}).get("peak_vs_naive", 0) for r in results]
         times = [r["rows"].get(mode, {}).get("time_vs_naive", 0) for r in results]
         memory.bar(xs, peaks, width, label=mode)
@@ -240,6 +250,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    if args.arch:
+        run_with_steady_malloc()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.arch:
         result = run_architecture(args.arch, args.trials)

@@ -16,7 +16,8 @@ def test_gradients_match_plain_autograd(case: Case, budget: str) -> None:
     ref_loss, ref_grads = training_step(model, case, args, kwargs)
 
     lowest, naive = feasible_range(model, args, kwargs)
-    memory_budget = lowest if budget == "lowest" else (lowest + naive) // 2
+    # a model little can lower has its minimum above its naive peak (the planning margin): then the middle is it
+    memory_budget = lowest if budget == "lowest" else (lowest + max(lowest, naive)) // 2
     plan = rematerialize(model, *args, memory_budget=memory_budget, **kwargs)
     assert plan.current is not None and plan.current.options, "the plan must checkpoint something"
     loss, grads = training_step(model, case, args, kwargs)

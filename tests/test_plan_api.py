@@ -11,6 +11,7 @@ from torch import nn
 from lightning_tbp import InfeasibleBudgetError, NothingToPlanWarning, rematerialize
 from lightning_tbp.remat import Plan
 from lightning_tbp.remat.plan import BatchAboveCeilingWarning
+from lightning_tbp.remat.solve import PLANNING_MARGIN, budget_for_peak
 
 UNET = next(c for c in CASES if c.name == "unet2d_attention")
 
@@ -123,11 +124,17 @@ def test_nothing_to_plan_warns_and_runs_unchanged() -> None:
 
 
 def test_budget_above_naive_plans_nothing() -> None:
+    """A budget the unplanned step fits with the planning margin plans nothing; a budget at the
+    naive peak (1.0) does not leave that margin, so the plan checkpoints something."""
     model = mlp_chain(depth=4)
     x = torch.randn(256, 64)
+    at_naive = rematerialize(model, x, memory_budget=1.0)
+    naive = at_naive.current.naive.peak_bytes
+    assert at_naive.current.options and at_naive.current.predicted_peak_bytes <= naive * (1 - PLANNING_MARGIN)
+    at_naive.remove()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        plan = rematerialize(model, x, memory_budget=1.0)
+        plan = rematerialize(model, x, memory_budget=budget_for_peak(naive))
     assert plan.current.options == {} and plan.current.predicted_peak_bytes == plan.current.naive.peak_bytes
     plan.remove()
 

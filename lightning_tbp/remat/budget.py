@@ -16,6 +16,9 @@ Accepted forms (anything else raises ``ValueError`` listing them):
   devices ``AUTO_DEFAULT_FRACTION`` of the naive peak, since host memory gives no useful bound;
   a model that cannot reach that fraction is planned at its minimum feasible budget, with a
   warning.
+
+Whatever the form, the planner plans for ``1 - PLANNING_MARGIN`` of it (``solve.py``): the
+unplanned step too is only kept when it fits there.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ The replay follows what torch does with non-reentrant ``torch.utils.checkpoint``
   recompute's own saves).
 * The gradient of a tensor appears when the backward of its last consumer runs and disappears
   after the backward of its producer; parameter gradients stay. Other consumers' backwards add
-  a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat).
+  a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat);
+  a parameter's are summed into a new buffer (a second transient).
   ``cat`` hands its inputs slice *views* of its output gradient, so a U-Net skip's gradient keeps
   the whole concatenated gradient buffer alive until a second contribution replaces the view, and
   a conv/matmul/norm backward receiving such a view first copies it to a contiguous tensor.
@@ -328,6 +329,14 @@ class _Replay:
         self.recompute_counts: dict[int, int] = {}
         self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
         self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
+        # A checkpoint inside another stashes the RNG state whenever the enclosing forward runs it
+        # (a CPU tensor its frame keeps); the copy lives on until a recompute runs the block again.
+        self.nested_starts: dict[int, list[int]] = {}  # event -> nested checkpoints starting there
+        self.stale_stashes: set[int] = set()  # nested checkpoints whose last stash is still held
+        if self.trace.checkpoint_state_bytes:
+            for block in range(1, len(options)):
+                if options[block] in _CHECKPOINTS and self.enclosing_checkpoint(block) >= 0:
+                    self.nested_starts.setdefault(sim.first[block], []).append(block)
 
         # the step's backward passes (see ``step.py``)
         self.pass_ = sim.step.passes[0]
@@ -466,7 +475,7 @@ class _Replay:
         # the loop runs for every event of every replay: what it reads is bound once here
         event_node, event_outputs, event_saves = trace.event_node, trace.event_outputs, trace.event_saves
         event_heavy, event_workspace, dies_at = trace.event_heavy, trace.event_forward_workspace, sim.dies_at
-        is_activation, sizes, first = sim.is_activation, sim.sizes, sim.first
+        is_activation, sizes, first, nested_starts = sim.is_activation, sim.sizes, sim.first, self.nested_starts
         overheads, region_option = trace.overheads, options[region]
         alive, python_refs, storage_sizes = self.alive, self.python_refs, self.storage_sizes
         node = ctx = lazy = -1
@@ -479,6 +488,8 @@ class _Replay:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
                     self.recomputed_nodes.add(ctx)
+            if nested_starts and event in nested_starts:
+                self.restash(nested_starts[event], ctx)
             cached = selective_recompute and event_heavy[event] and event <= cache_end
             for sid in event_outputs[event]:
                 if cached or not is_activation[sid]:
@@ -543,6 +554,36 @@ class _Replay:
             held += self.hold([state])
         self.node_inputs[ctx] = held
         self.node_cache[ctx] = []
+
+    def enclosing_checkpoint(self, block: int) -> int:
+        """The nearest checkpointed ancestor of ``block`` (-1: none)."""
+        parent = self.sim.parent[block]
+        while parent > 0 and self.options[parent] not in _CHECKPOINTS:
+            parent = self.sim.parent[parent]
+        return parent if parent > 0 else -1
+
+    def restash(self, blocks: list[int], ctx: int) -> None:
+        """Nested checkpoints start: each stashes the RNG state anew (the context's own stash is
+        ``enter_checkpoint``'s), then the copy an earlier forward of it stashed is released."""
+        state = self.trace.checkpoint_state_bytes
+        for block in blocks:
+            if block != ctx:
+                self.mem += state
+            if block in self.stale_stashes:
+                self.tick()
+                self.mem -= state
+            if block != ctx:
+                self.stale_stashes.add(block)
+            else:
+                self.stale_stashes.discard(block)
+
+    def release_stashes_inside(self, block: int) -> None:
+        """The backward of ``block`` is done: stashes of checkpoints inside it that no recompute
+        replaced (it stopped before them) go with its frame."""
+        first, last = self.sim.first, self.sim.last
+        for inner in [b for b in self.stale_stashes if first[block] <= first[b] <= last[block]]:
+            self.stale_stashes.discard(inner)
+            self.mem -= self.trace.checkpoint_state_bytes
 
     def pack_at_stop(self, region: int, stop: int, mapped: Callable[[int], int]) -> None:
         """Hold what the event that ends a recomputation packs.
@@ -651,7 +692,10 @@ class _Replay:
                 self.booked_grads.update(grads)
                 self.deferred.append((ctx, grads))
                 self.deferring = True
+            # torch forks the RNG around a recompute: a copy of the CPU state lives while it runs
+            self.mem += trace.checkpoint_state_bytes
             self.forward(ctx, sim.first[ctx], self.early_stop_end(ctx), recompute=True)
+            self.mem -= trace.checkpoint_state_bytes
             self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
             self.backward(ctx, sim.first[ctx], sim.last[ctx])
             recomputed = ctx in self.recomputed_nodes
@@ -662,6 +706,8 @@ class _Replay:
                 kept = self.release_or_retain(self.node_inputs.pop(ctx, []), recomputed)
                 if kept:
                     self.node_inputs[ctx] = kept
+            if self.stale_stashes:
+                self.release_stashes_inside(ctx)
             self.region = outer_region
             event = sim.first[ctx] - 1
 
@@ -724,6 +770,11 @@ class _Replay:
                 self.mem += sizes[sid]
                 self.drop_grad_view(sid)
             elif not sim.passes_grad[event]:
+                transient += sizes[sid]
+            if self.pass_.parameter_gradients and not sim.is_activation[sid]:
+                # a parameter's contributions are summed into a new buffer: measured for Linear
+                # weights and biases (the DiT embedding called twice); conv, norm and embedding
+                # weights sum in place, so there this over-counts one weight's bytes, briefly
                 transient += sizes[sid]
         # the saved tensors are rebuilt (unpacked) before the op's backward allocates anything
         transient = max(transient, rebuild_peak - (self.mem - created))

@@ -144,7 +144,7 @@ class Solver:
         start = time.perf_counter()
         naive = self.naive()
         keep_all = [Option.KEEP] * len(self.nodes)
-        if naive.peak_bytes <= budget_bytes:  # the budget allows the unplanned step
+        if naive.peak_bytes <= target_bytes:  # the budget allows the unplanned step, margin included
             return Solution(keep_all, naive, naive, time.perf_counter() - start, self.replays)
         # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.

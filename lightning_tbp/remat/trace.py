@@ -108,7 +108,7 @@ class Trace:
     # Peak of the loss a step is assumed to compute from the outputs until one is measured (``loss.py``)
     assumed_loss_bytes: int = 0
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
-    # it stashes (a CPU tensor, so nothing on a GPU)
+    # it stashes (a CPU tensor, so nothing on a GPU); a recompute holds one more copy while it runs
     checkpoint_state_bytes: int = 0
 
     @property

@@ -225,7 +225,7 @@ def _check(drawn: Drawn, where: float, below: float) -> None:
         measured = measure_peak(lambda: drawn.step(target)).peak_bytes
     finally:
         plan.remove()
-    plan_made = {path: option.name for path, option in shape_plan.options.items()}  # timing-dependent: say it
+    plan_made = {path: option.name for path, option in shape_plan.options.items()}  # named in a failure
     assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes, plan_made)
     assert 1 - below <= measured / shape_plan.predicted_peak_bytes <= 1 + ABOVE, (
         measured,

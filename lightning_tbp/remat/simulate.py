@@ -10,8 +10,8 @@ The replay follows what torch does with non-reentrant ``torch.utils.checkpoint``
   as their ops' backward runs.
 * A selective block (selective activation checkpointing) also caches the outputs of heavy ops
   (matmul, convolution, attention) during the forward, so its recomputation re-runs only the
-  cheap ops; the recompute consumes the cache (entries it reaches are then held only by the
-  recompute's own saves).
+  cheap ops; the recompute consumes the cache (torch pops each entry it reaches and hands it to
+  the recomputed code: it is then held like a tensor that code made, by its saves and references).
 * The gradient of a tensor appears when the backward of its last consumer runs and disappears
   after the backward of its producer; parameter gradients stay. Other consumers' backwards add
   a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat);
@@ -468,6 +468,7 @@ class _Replay:
         selective_recompute = recompute and options[region] == Option.SELECTIVE
         cache_end = sim.cache_end[region]
         remap: dict[int, int] = {}
+        handed: list[int] = []  # cached outputs a selective recompute took from its cache
 
         def mapped(sid: int) -> int:
             return remap.get(sid, sid)
@@ -491,6 +492,8 @@ class _Replay:
             if nested_starts and event in nested_starts:
                 self.restash(nested_starts[event], ctx)
             cached = selective_recompute and event_heavy[event] and event <= cache_end
+            if cached:
+                handed += self.hand_over_cached(region, event_outputs[event])
             for sid in event_outputs[event]:
                 if cached or not is_activation[sid]:
                     continue
@@ -532,7 +535,7 @@ class _Replay:
             self.pack_at_stop(region, hi + 1, mapped)
         kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
         if recompute:  # the recomputed function's own results are dropped when it returns
-            for sid in remap.values():
+            for sid in [*remap.values(), *handed]:
                 if sid not in kept:
                     self.python_refs.discard(sid)
                     self.maybe_free(sid)
@@ -554,6 +557,21 @@ class _Replay:
             held += self.hold([state])
         self.node_inputs[ctx] = held
         self.node_cache[ctx] = []
+
+    def hand_over_cached(self, block: int, sids: tuple[int, ...]) -> list[int]:
+        """A selective recompute reaches a cached op: torch pops its output from the cache and
+        hands it to the recomputed code, which then references it like an output it made; the
+        cache no longer holds it (it goes as soon as nothing else does). Returns the outputs."""
+        cache = self.node_cache.get(block, [])
+        handed = []
+        for sid in sids:
+            if sid in cache:
+                cache.remove(sid)
+                self.holders[sid] -= 1
+            if sid in self.alive and self.sim.is_activation[sid]:
+                self.python_refs.add(sid)
+                handed.append(sid)
+        return handed
 
     def enclosing_checkpoint(self, block: int) -> int:
         """The nearest checkpointed ancestor of ``block`` (-1: none)."""

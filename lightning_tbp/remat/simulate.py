@@ -335,7 +335,7 @@ class _Replay:
         self.stale_stashes: set[int] = set()  # nested checkpoints whose last stash is still held
         if self.trace.checkpoint_state_bytes:
             for block in range(1, len(options)):
-                if options[block] in _CHECKPOINTS and self.enclosing_checkpoint(block) >= 0:
+                if options[block] in _CHECKPOINTS and sim.context(sim.parent[block], 0, options) >= 0:
                     self.nested_starts.setdefault(sim.first[block], []).append(block)
 
         # the step's backward passes (see ``step.py``)
@@ -572,13 +572,6 @@ class _Replay:
                 self.python_refs.add(sid)
                 handed.append(sid)
         return handed
-
-    def enclosing_checkpoint(self, block: int) -> int:
-        """The nearest checkpointed ancestor of ``block`` (-1: none)."""
-        parent = self.sim.parent[block]
-        while parent > 0 and self.options[parent] not in _CHECKPOINTS:
-            parent = self.sim.parent[parent]
-        return parent if parent > 0 else -1
 
     def restash(self, blocks: list[int], ctx: int) -> None:
         """Nested checkpoints start: each stashes the RNG state anew (the context's own stash is

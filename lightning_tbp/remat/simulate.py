@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import NamedTuple
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.step import PLAIN_STEP, BackwardPass, StepModel, TapNote
@@ -100,6 +101,24 @@ class SimResult:
     peak_step: int
     recompute_counts: dict[int, int] = field(default_factory=dict)
     peak_in_loss: bool = False  # the peak falls in the loss's window (``Simulator`` ``loss_bytes``)
+
+
+class _BackwardFacts(NamedTuple):
+    """What the backward of one event reads about it (``Simulator.backward_facts``)."""
+
+    outputs: tuple[int, ...]
+    inputs: tuple[int, ...]
+    workspace: int
+    partial_grads: list[tuple[int, int]]
+    is_view_op: bool
+    tap: TapNote | None
+    slices_grad: bool
+    aliases_grad: bool
+    needs_contiguous_grad: bool
+    passes_grad: bool
+    grads_created: list[int]
+    grads_accumulated: list[int]
+    grads_freed: list[int]
 
 
 class Simulator:
@@ -179,6 +198,50 @@ class Simulator:
         self.cache_end = [self.stop_after(node.first_event, node.last_event) for node in trace.nodes]
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
+        # what the forward makes that it counts (activations), and what each event's backward
+        # reads, bound into one tuple per event: the replay's loops run for every event of every
+        # plan the solver tries, and one lookup there replaces a dozen
+        self.activation_outputs = [
+            tuple(sid for sid in outputs if self.is_activation[sid]) for outputs in trace.event_outputs
+        ]
+        self.backward_facts = [
+            _BackwardFacts(
+                outputs=trace.event_outputs[event],
+                inputs=trace.event_inputs[event],
+                workspace=trace.event_workspace[event],
+                partial_grads=self.partial_grads[event],
+                is_view_op=self.is_view_op[event],
+                tap=self.taps.get(event),
+                slices_grad=self.slices_grad[event],
+                aliases_grad=self.aliases_grad[event],
+                needs_contiguous_grad=self.needs_contiguous_grad[event],
+                passes_grad=self.passes_grad[event],
+                grads_created=self.grads_created[event],
+                grads_accumulated=self.grads_accumulated[event],
+                grads_freed=self.grads_freed[event],
+            )
+            for event in range(n_events)
+        ]
+        # Events at which a replay does nothing but tick its clock (views and other ops that
+        # make, save, free and need nothing): a third to a half of a diffusers model's events,
+        # so their handling is skipped. ``forward_idle`` events charge nothing outside a
+        # recompute (and outside selective and lazy blocks); ``recompute_idle`` ones cost nothing
+        # to recompute either.
+        starts = set(self.first)
+        self.forward_idle = [
+            not (self.activation_outputs[e] or trace.event_saves[e] or trace.event_forward_workspace[e])
+            and not self.dies_at[e]
+            and e not in starts
+            for e in range(n_events)
+        ]
+        self.recompute_idle = [
+            idle and not trace.event_cost[e] and not trace.event_flops[e] for e, idle in enumerate(self.forward_idle)
+        ]
+        self.backward_idle = [
+            not (f.partial_grads or f.is_view_op or f.tap or f.grads_created or f.grads_accumulated or f.grads_freed)
+            and not (f.workspace or f.needs_contiguous_grad or trace.event_saves[e])
+            for e, f in enumerate(self.backward_facts)
+        ]
 
     @property
     def step_ns(self) -> float:
@@ -473,18 +536,37 @@ class _Replay:
         def mapped(sid: int) -> int:
             return remap.get(sid, sid)
 
-        # the loop runs for every event of every replay: what it reads is bound once here
+        # the loop runs for every event of every replay: what it reads is bound once here, and
+        # what depends only on the event's block (its checkpoint, its lazy block, the costs they
+        # charge) once per run of that block's events
         event_node, event_outputs, event_saves = trace.event_node, trace.event_outputs, trace.event_saves
         event_heavy, event_workspace, dies_at = trace.event_heavy, trace.event_forward_workspace, sim.dies_at
-        is_activation, sizes, first, nested_starts = sim.is_activation, sim.sizes, sim.first, self.nested_starts
-        overheads, region_option = trace.overheads, options[region]
-        alive, python_refs, storage_sizes = self.alive, self.python_refs, self.storage_sizes
+        activation_outputs, sizes, first = sim.activation_outputs, sim.sizes, sim.first
+        nested_starts = self.nested_starts
+        alive, python_refs, storage_sizes, holders = self.alive, self.python_refs, self.storage_sizes, self.holders
+        event_cost, event_flops, timing = trace.event_cost, trace.event_flops, self.timing
+        scale, overheads = trace.option_scale, trace.overheads
+        recompute_scale = scale.get(options[region], 1.0)
+        idle = sim.recompute_idle if recompute else sim.forward_idle
         node = ctx = lazy = -1
+        per_op_ns = save_scale = 0.0
+        caching = False
         for event in range(lo, hi + 1):
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
                 ctx = self.context(node, region)
                 lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
+                caching = ctx >= 0 and options[ctx] == Option.SELECTIVE
+                # each op through torch's caching dispatch mode, or recorded (and rebuilt) as a recipe
+                per_op_ns = 0.0
+                if selective_recompute or caching:
+                    per_op_ns += overheads.selective_op_ns * scale.get(Option.SELECTIVE, 1.0)
+                if lazy >= 0:
+                    per_op_ns += overheads.lazy_op_ns * scale.get(Option.LAZY, 1.0)
+                save_scale = scale.get(options[ctx], 1.0) if ctx >= 0 and not recompute else 0.0
+            if idle[event] and not per_op_ns:  # only the clock moves (``Simulator.forward_idle``)
+                self.tick()
+                continue
             if ctx >= 0 and event == first[ctx]:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
@@ -494,43 +576,44 @@ class _Replay:
             cached = selective_recompute and event_heavy[event] and event <= cache_end
             if cached:
                 handed += self.hand_over_cached(region, event_outputs[event])
-            for sid in event_outputs[event]:
-                if cached or not is_activation[sid]:
-                    continue
-                if recompute:
-                    new = self.new_storage(sizes[sid])
-                    remap[sid] = new
-                    sid = new
-                alive.add(sid)  # allocated, referenced from Python
-                python_refs.add(sid)
-                self.mem += storage_sizes[sid]
-            if selective_recompute or (ctx >= 0 and options[ctx] == Option.SELECTIVE):
-                self.charge(Option.SELECTIVE, overheads.selective_op_ns)  # through torch's caching dispatch mode
-            if lazy >= 0:
-                self.charge(Option.LAZY, overheads.lazy_op_ns)  # its recipe is recorded (and rebuilt) in Python
+            else:
+                for sid in activation_outputs[event]:
+                    if recompute:
+                        new = self.new_storage(sizes[sid])
+                        remap[sid] = new
+                        sid = new
+                    alive.add(sid)  # allocated, referenced from Python
+                    python_refs.add(sid)
+                    self.mem += storage_sizes[sid]
             saves = event_saves[event]
-            if ctx >= 0 and not recompute and saves:  # each save is packed, then unpacked from a recomputation
-                self.charge(options[ctx], overheads.checkpoint_save_ns * len(saves))
-            if ctx < 0:
+            if timing:
+                if per_op_ns:
+                    self.recompute_cost += per_op_ns
+                if save_scale and saves:  # each save is packed, then unpacked from a recomputation
+                    self.recompute_cost += overheads.checkpoint_save_ns * len(saves) * save_scale
+                if recompute and not cached:
+                    self.recompute_cost += event_cost[event] * recompute_scale
+                    self.recompute_flops += event_flops[event]
+            if ctx < 0 and saves:
                 if lazy >= 0:
                     self.event_holds[event] = self.hold_lazily(event, lazy)
-                elif saves:
+                else:
                     self.event_holds[event] = self.hold([remap.get(s, s) for s in saves] if remap else saves)
                     if recompute:
                         self.recomputed_holds.add(event)
-            elif options[ctx] == Option.SELECTIVE and event_heavy[event] and event <= sim.cache_end[ctx]:
+            elif caching and event_heavy[event] and event <= sim.cache_end[ctx]:
                 self.node_cache[ctx].extend(self.hold([mapped(s) for s in event_outputs[event]]))
-            if recompute and not cached:
-                self.charge(region_option, trace.event_cost[event])
-                self.recompute_flops += trace.event_flops[event] if self.timing else 0
             workspace = 0 if cached else event_workspace[event]
             self.mem += workspace
             self.tick()
             self.mem -= workspace
             for sid in dies_at[event]:
-                sid = remap.get(sid, sid)
-                self.python_refs.discard(sid)
-                self.maybe_free(sid)
+                if remap:
+                    sid = remap.get(sid, sid)
+                python_refs.discard(sid)
+                if sid in alive and not holders.get(sid):  # ``maybe_free``, inlined
+                    alive.discard(sid)
+                    self.mem -= storage_sizes[sid]
         if recompute and hi < sim.last[region]:
             self.pack_at_stop(region, hi + 1, mapped)
         kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
@@ -688,11 +771,17 @@ class _Replay:
 
     def backward(self, region: int, lo: int, hi: int) -> None:
         sim, trace = self.sim, self.trace
-        event = hi
+        event_node, backward_event, idle = trace.event_node, self.backward_event, sim.backward_idle
+        event, node, ctx = hi, -1, -1
         while event >= lo:
-            ctx = self.context(trace.event_node[event], region)
+            if event_node[event] != node:  # a block's events mostly run back to back
+                node = event_node[event]
+                ctx = self.context(node, region)
             if ctx < 0:
-                self.backward_event(event)
+                if idle[event]:  # only the clock moves (``Simulator.backward_idle``)
+                    self.tick()
+                else:
+                    backward_event(event)
                 event -= 1
                 continue
             self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1
@@ -728,30 +817,34 @@ class _Replay:
         first, last = sim.first[block], sim.last[block]
         inner_starts = []
         plain_last = first - 1
+        event_node, event_saves = trace.event_node, trace.event_saves
+        node = ctx = -1
         for event in range(first, last + 1):
-            ctx = self.context(trace.event_node[event], block)
+            if event_node[event] != node:
+                node = event_node[event]
+                ctx = self.context(node, block)
             if ctx >= 0 and event == sim.first[ctx]:
                 inner_starts.append(event)
-            if ctx < 0 and trace.event_saves[event]:
+            if ctx < 0 and event_saves[event]:
                 plain_last = event
         candidates = [sim.stop_after(first, plain_last)] if plain_last >= first else []
         candidates += [start - 1 for start in inner_starts]
         return max(candidates, default=first - 1)
 
     def backward_event(self, event: int) -> None:
-        sim, sizes = self.sim, self.sim.sizes
-        outputs = self.trace.event_outputs[event]
-        viewing = (sim.slices_grad[event] or sim.aliases_grad[event]) and len(outputs) == 1 and outputs[0] in self.grads
-        rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0))  # every pass unpacks (rebuilds) again
-        transient = self.trace.event_workspace[event] + rebuilt
+        sim, sizes, facts = self.sim, self.sim.sizes, self.sim.backward_facts[event]
+        outputs, grads = facts.outputs, self.grads
+        viewing = (facts.slices_grad or facts.aliases_grad) and len(outputs) == 1 and outputs[0] in grads
+        rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0)) if self.rebuilds else (0, 0)  # every pass rebuilds
+        transient = facts.workspace + rebuilt
         created = self.mem
-        for sid, size in sim.partial_grads[event]:  # a gradient the size of the view read
+        for sid, size in facts.partial_grads:  # a gradient the size of the view read
             self.pieces[sid] = self.pieces.get(sid, 0) + size
             self.mem += size
         merged = 0
-        if sim.is_view_op[event]:  # the view op's backward merges the pieces into one gradient
-            merged = sum(self.pieces.pop(sid, 0) for sid in self.trace.event_inputs[event])
-        tap = sim.taps.get(event)
+        if facts.is_view_op:  # the view op's backward merges the pieces into one gradient
+            merged = sum(self.pieces.pop(sid, 0) for sid in facts.inputs)
+        tap = facts.tap
         if tap is not None:  # what the DP engine computes at this layer in this pass
             transient += tap.norm_bytes * ("norm" in self.pass_.tap_transient)
             transient += tap.sum_bytes * ("sum" in self.pass_.tap_transient)
@@ -760,27 +853,27 @@ class _Replay:
                 # a layer called more than once sums its per-sample gradients until the norms are known
                 self.pending[tap.layer] = tap.per_sample_bytes
                 self.mem += tap.per_sample_bytes
-        for sid in sim.grads_created[event]:
-            if sid in self.grads or not (self.pass_.parameter_gradients or sim.is_activation[sid]):
+        for sid in facts.grads_created:
+            if sid in grads or not (self.pass_.parameter_gradients or sim.is_activation[sid]):
                 continue
-            self.grads.add(sid)
+            grads.add(sid)
             # an alias only where autograd hands the gradient on as it is: same size (no broadcast
             # reduction), and not a parameter's (accumulated into its .grad)
-            if viewing and (sim.slices_grad[event] or (sim.is_activation[sid] and sizes[sid] == sizes[outputs[0]])):
+            if viewing and (facts.slices_grad or (sim.is_activation[sid] and sizes[sid] == sizes[outputs[0]])):
                 base = self.grad_view_of.get(outputs[0], outputs[0])
                 self.grad_view_of[sid] = base
                 self.grad_views[base] = self.grad_views.get(base, 0) + 1
-                if sim.slices_grad[event] or outputs[0] in self.grad_slices:
+                if facts.slices_grad or outputs[0] in self.grad_slices:
                     self.grad_slices.add(sid)
             else:
                 self.mem += sizes[sid]
-        if sim.needs_contiguous_grad[event] and self.grad_slices:  # a slice-view gradient is copied to contiguous first
+        if facts.needs_contiguous_grad and self.grad_slices:  # a slice-view gradient is copied to contiguous first
             transient += sum(sizes[sid] for sid in outputs if sid in self.grad_slices)
-        for sid in sim.grads_accumulated[event]:
+        for sid in facts.grads_accumulated:
             if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
                 self.mem += sizes[sid]
                 self.drop_grad_view(sid)
-            elif not sim.passes_grad[event]:
+            elif not facts.passes_grad:
                 transient += sizes[sid]
             if self.pass_.parameter_gradients and not sim.is_activation[sid]:
                 # a parameter's contributions are summed into a new buffer: measured for Linear
@@ -808,12 +901,12 @@ class _Replay:
         elif holds and (kept := self.release_or_retain(holds, recomputed)):
             self.event_holds[event] = kept
         self.mem -= merged  # the pieces die with the view op's backward
-        freed = sim.grads_freed[event]
+        freed = facts.grads_freed
         if self.pieces:
             for sid in freed:  # pieces never merged (no view op in between)
                 self.mem -= self.pieces.pop(sid, 0)
         for sid in freed:
-            if sid not in self.booked_grads:
+            if sid in grads and sid not in self.booked_grads:
                 self.free_grad(sid)
 
     def drop_grad_view(self, sid: int) -> None:

@@ -484,6 +484,8 @@ def _meter_taps(taps: list[TapNote], measure: bool) -> None:
 #: Bounds of a block's real forward over its ops' isolated times: a wild measurement of one
 #: small block must not price its recomputation at nothing or at a hundred times its ops.
 FRAMEWORK_FACTOR_RANGE = (0.5, 10.0)
+#: A real forward this long is timed once, not best of two (as ``calibrate.SINGLE_RUN_NS`` for ops).
+SINGLE_FORWARD_NS = 1_000_000_000
 
 
 def _time_forward(
@@ -494,9 +496,10 @@ def _time_forward(
     inside_call: bool,
     cuda_devices: list[int],
 ) -> tuple[float, list[float]]:
-    """Best of two real forwards with gradients (autograd and module overhead included), its
-    saved tensors dropped as in the profile so it stays memory-safe: nanoseconds of the whole
-    forward, and of each candidate block's call in call order (the trace's node order)."""
+    """Best of two real forwards with gradients (one if the first is long), autograd and module
+    overhead included, its saved tensors dropped as in the profile so it stays memory-safe:
+    nanoseconds of the whole forward, and of each candidate block's call in call order (the
+    trace's node order)."""
 
     def refuse(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp timing graph cannot be backpropagated")
@@ -520,20 +523,20 @@ def _time_forward(
 
     handles = [sub.register_forward_pre_hook(enter) for sub in candidates]
     handles += [sub.register_forward_hook(leave) for sub in candidates]
-    best, best_calls = float("inf"), None
+    best, best_calls, runs = float("inf"), None, 0
     try:
         with (
             frozen_buffers(module),
             torch.random.fork_rng(devices=cuda_devices),
             torch.autograd.graph.saved_tensors_hooks(lambda _: None, refuse),
         ):
-            for _ in range(2):
+            while runs == 0 or (runs < 2 and best < SINGLE_FORWARD_NS):
                 calls.clear()
                 synchronise()
                 start = time.perf_counter_ns()
                 output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
                 synchronise()
-                best = min(best, time.perf_counter_ns() - start)
+                best, runs = min(best, time.perf_counter_ns() - start), runs + 1
                 if best_calls is None or len(best_calls) != len(calls):
                     best_calls = list(calls)
                 else:

@@ -3,11 +3,11 @@
 The issue's target: profiling a U-Net of SD 1.5's size (860M parameters) costs less than one
 naive training step. The U-Net is built from diffusers' defaults (SD 1.x's configuration, random
 weights, no hub); a naive step is its forward and backward on an MSE loss. Naive steps and plans
-(``rematerialize``: profile, calibration and solve) alternate in rounds after one warm-up step,
-and the medians are compared. The peak of a 512x512 step at batch 1 is mostly the parameter
+(``rematerialize``: profile, calibration and solve) alternate in rounds after one warm-up step
+and one warm-up plan, and the medians are compared. The peak of a 512x512 step at batch 1 is mostly the parameter
 gradients, so a budget of 1.0 (a plan that checkpoints a little) keeps the plan feasible.
 
-    python benchmarks/profile_cost.py --out docs/benchmarks/profile_cost [--latent 64 --batch 1]
+    python benchmarks/profile_cost.py --out docs/benchmarks/profile_cost [--latent 64 --batch 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import device_label, pyplot, write_result
+from common import device_label, pyplot, timed_step, write_result
 from estimate_table import sd15_unet
 
-from lightning_tbp import rematerialize
+from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
 
 
@@ -35,29 +35,36 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--budget", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
 
+    device = torch.device(args.device)
     torch.manual_seed(0)
-    model = sd15_unet()
-    sample = torch.randn(args.batch, 4, args.latent, args.latent)
-    timestep = torch.randint(0, 1000, (args.batch,))
-    text = torch.randn(args.batch, 77, 768)
+    model = sd15_unet().to(device)
+    sample = torch.randn(args.batch, 4, args.latent, args.latent, device=device)
+    timestep = torch.randint(0, 1000, (args.batch,), device=device)
+    text = torch.randn(args.batch, 77, 768, device=device)
 
     def naive_step() -> float:
-        start = time.perf_counter()
-        model(sample, timestep, encoder_hidden_states=text).sample.square().mean().backward()
-        seconds = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        return seconds
+        return timed_step(
+            model, lambda: model(sample, timestep, encoder_hidden_states=text).sample.square().mean().backward(), device
+        )
 
     naive_step()  # warm-up: the allocator and the first kernels
+    budget: float | int = args.budget
+    try:  # also the planner's warm-up (option overheads are measured once per process)
+        rematerialize(model, sample, timestep, encoder_hidden_states=text, memory_budget=budget).remove()
+    except InfeasibleBudgetError as error:  # small latents: the gradients are the peak; plan at the minimum
+        budget = error.minimum_budget_bytes
+        print(f"--budget {args.budget} is infeasible here; planning at the minimum, {budget} bytes", flush=True)
     steps, plans = [], []
     for round_ in range(args.rounds):
         steps.append(naive_step())
+        model.zero_grad(set_to_none=True)
         start = time.perf_counter()
-        plan = rematerialize(model, sample, timestep, encoder_hidden_states=text, memory_budget=args.budget)
-        wall = time.perf_counter() - start
+        plan = rematerialize(model, sample, timestep, encoder_hidden_states=text, memory_budget=budget)
+        wall = time.perf_counter() - start  # planning synchronises the device as it measures
         shape_plan = plan.current
         plans.append(
             {
@@ -75,7 +82,7 @@ def main() -> None:
     result = {
         "experiment": "profile_cost",
         "machine": machine_info(),
-        "config": vars(args) | {"out": str(args.out)},
+        "config": vars(args) | {"out": str(args.out), "planned_budget": budget},
         "parameters": sum(p.numel() for p in model.parameters()),
         "naive_step_seconds": steps,
         "plans": plans,

@@ -20,6 +20,7 @@ times do not depend on how often a process happens to page-fault its tensors afr
 
     python benchmarks/zoo.py --all --out docs/benchmarks/zoo          # every architecture, CPU
     python benchmarks/zoo.py --arch sd3 --out /tmp/zoo                 # one
+    python benchmarks/zoo.py --all --device cuda --out DIR              # on a GPU (CUDA allocator peaks)
     python benchmarks/zoo.py --summarize --out docs/benchmarks/zoo     # summary, table.md and plot of the files there
 """
 
@@ -57,7 +58,7 @@ def _peak(case: ZooCase) -> int:
     """Exact peak of one step that starts without gradients (freed before the metered region)."""
     case.model.zero_grad(set_to_none=True)
     gc.collect()
-    return measure_peak(case.step).peak_bytes
+    return measure_peak(case.step, case.target.device).peak_bytes
 
 
 def _flops(case: ZooCase) -> int:
@@ -74,9 +75,9 @@ def _grads(case: ZooCase) -> dict[str, torch.Tensor]:
     return grads_of(case.model)
 
 
-def run_architecture(name: str, trials: int) -> dict[str, Any]:
+def run_architecture(name: str, trials: int, device_name: str = "cpu") -> dict[str, Any]:
     architecture = {**ZOO, **BENCH_ONLY}[name]
-    case = architecture.case(batch=BATCHES.get(name, 2))
+    case = architecture.case(batch=BATCHES.get(name, 2), device=device_name)
     model = case.model
     device = case.target.device
     case.step()  # warm-up
@@ -248,13 +249,14 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="every architecture, each in its own process")
     parser.add_argument("--summarize", action="store_true", help="summary and plot from the JSON files in --out")
     parser.add_argument("--trials", type=int, default=7, help="interleaved timing rounds")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the models and inputs are moved there")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if args.arch:
         run_with_steady_malloc()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.arch:
-        result = run_architecture(args.arch, args.trials)
+        result = run_architecture(args.arch, args.trials, args.device)
         (args.out / f"{args.arch}.json").write_text(json.dumps(result, indent=2))
         print(json.dumps({m: {k: v for k, v in r.items() if k != "decisions"} for m, r in result["rows"].items()}))
         return
@@ -264,6 +266,7 @@ def main() -> None:
     for name in ZOO:
         if args.all:
             command = [sys.executable, __file__, "--arch", name, "--trials", str(args.trials), "--out", str(args.out)]
+            command += ["--device", args.device]
             completed = subprocess.run(command, capture_output=True, text=True)
             if completed.returncode != 0:
                 failed[name] = completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else "failed"

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tbp.compat import tree_map
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -26,7 +28,9 @@ class Architecture:
     build: Callable[[], nn.Module]
     inputs: Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]  # (generator, batch) -> call
 
-    def case(self, batch: int = 2, seed: int = 0) -> ZooCase:
+    def case(self, batch: int = 2, seed: int = 0, device: torch.device | str = "cpu") -> ZooCase:
+        """The model and its seeded inputs, built on the CPU (the same weights and inputs on any
+        device) and moved to ``device``."""
         torch.manual_seed(seed)
         model = self.build()
         generator = torch.Generator().manual_seed(seed + 1)
@@ -34,6 +38,9 @@ class Architecture:
         with torch.no_grad():
             out = sample(model(*args, **kwargs))
         target = torch.randn(out.shape, generator=generator)
+        if torch.device(device).type != "cpu":
+            model, target = model.to(device), target.to(device)
+            args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         return ZooCase(self, model, args, kwargs, target)
 
 

@@ -151,9 +151,8 @@ def flux(draw: st.DrawFn) -> Drawn:
         patch_size=1,
         in_channels=8,
         num_layers=draw(st.integers(1, 2)),
-        # at least one, as in every Flux: without, the last joint block's text stream feeds nothing
-        # and the replay over-counts it (design.md, "2. Replay")
-        num_single_layers=draw(st.integers(1, 3)),
+        # with none, the last joint block's text stream feeds nothing: a dead branch (design.md)
+        num_single_layers=draw(st.integers(0, 3)),
         attention_head_dim=head_dim,
         num_attention_heads=heads,
         joint_attention_dim=16,

@@ -103,6 +103,53 @@ class SimResult:
     peak_in_loss: bool = False  # the peak falls in the loss's window (``Simulator`` ``loss_bytes``)
 
 
+def dead_branches(trace: Trace) -> tuple[list[bool], dict[int, list[int]]]:
+    """Events whose results reach no output of the module, and when autograd frees their saves.
+
+    No gradient ever flows into such an op (a Flux whose last joint block's text stream feeds
+    nothing), so its backward never runs; its graph node, with what it saved, goes when nothing
+    references it any more: when the last Python reference to its outputs, and to the outputs of
+    the dead ops that consumed them, is gone. Returns per event whether it is dead, and per event
+    the dead events whose saves go right after it. A dead op whose outputs outlive the forward
+    (kept on a module, say) is left out of the second: its saves are held as any others.
+
+    Liveness runs backwards from the module's outputs: an op is live if an output it makes is
+    read by a live op or returned; an op that makes no storage (a view, an in-place update) is
+    live if it reads a live storage, since it may write into it, and its inputs then are live.
+    """
+    live_storages = set(trace.module_outputs)
+    dead = [False] * trace.num_events
+    for event in range(trace.num_events - 1, -1, -1):
+        outputs, inputs = trace.event_outputs[event], trace.event_inputs[event]
+        if any(sid in live_storages for sid in (outputs or inputs)):
+            live_storages.update(inputs)
+        else:
+            dead[event] = True
+    consumers: dict[int, list[int]] = {}
+    for event, inputs in enumerate(trace.event_inputs):
+        if dead[event]:
+            for sid in inputs:
+                consumers.setdefault(sid, []).append(event)
+    freed_after = [-1] * trace.num_events  # -1: not during the forward
+    for event in range(trace.num_events - 1, -1, -1):
+        if not dead[event]:
+            continue
+        last = event
+        for sid in trace.event_outputs[event]:
+            death = trace.storage_death[sid] if trace.storage_is_activation[sid] else -1
+            later = [freed_after[c] for c in consumers.get(sid, ()) if c != event]
+            if death < 0 or any(t < 0 for t in later):
+                last = -1
+                break
+            last = max(last, death, *later)
+        freed_after[event] = last
+    release_at: dict[int, list[int]] = {}
+    for event, last in enumerate(freed_after):
+        if last >= 0:
+            release_at.setdefault(last, []).append(event)
+    return dead, release_at
+
+
 class _BackwardFacts(NamedTuple):
     """What the backward of one event reads about it (``Simulator.backward_facts``)."""
 
@@ -148,10 +195,12 @@ class Simulator:
         # the view's size, kept apart until the view op's backward merges the pieces into one
         # gradient of the whole storage; the storage's gradient proper starts there.
         self.is_view_op = [op.startswith(_VIEW_PRODUCING) for op in trace.event_op]
+        # ops no gradient reaches contribute none, and their saves go in the forward
+        self.dead, self.dead_release_at = dead_branches(trace)
         self.partial_grads: list[list[tuple[int, int]]] = [[] for _ in range(n_events)]
         merged = set()
         for event, partial in enumerate(trace.event_partial_inputs):
-            if self.is_view_op[event]:
+            if self.is_view_op[event] or self.dead[event]:
                 continue
             for sid, size in partial.items():
                 if trace.storage_needs_grad[sid]:
@@ -159,6 +208,8 @@ class Simulator:
                     merged.add(sid)
         last_consumer = [-1] * n_storages
         for event, inputs in enumerate(trace.event_inputs):
+            if self.dead[event]:
+                continue
             for sid in inputs:
                 if not (sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]):
                     last_consumer[sid] = event
@@ -173,6 +224,8 @@ class Simulator:
         for event, inputs in enumerate(trace.event_inputs):
             if trace.event_op[event].startswith(_RESHAPING_VIEWS) and not trace.event_outputs[event]:
                 continue  # whoever uses the view uses the storage: their contributions are counted there
+            if self.dead[event]:
+                continue
             for sid in inputs:
                 partial_use = sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]
                 if trace.storage_needs_grad[sid] and last_consumer[sid] != event and not partial_use:
@@ -242,6 +295,9 @@ class Simulator:
             and not (f.workspace or f.needs_contiguous_grad or trace.event_saves[e])
             for e, f in enumerate(self.backward_facts)
         ]
+        # outside any recomputation, a dead op whose saves went in the forward has no backward
+        released = {e for events in self.dead_release_at.values() for e in events}
+        self.top_backward_idle = [idle or e in released for e, idle in enumerate(self.backward_idle)]
 
     @property
     def step_ns(self) -> float:
@@ -548,6 +604,7 @@ class _Replay:
         scale, overheads = trace.option_scale, trace.overheads
         recompute_scale = scale.get(options[region], 1.0)
         idle = sim.recompute_idle if recompute else sim.forward_idle
+        top, dead_release_at = region == 0 and not recompute, sim.dead_release_at
         node = ctx = lazy = -1
         per_op_ns = save_scale = 0.0
         caching = False
@@ -614,6 +671,9 @@ class _Replay:
                 if sid in alive and not holders.get(sid):  # ``maybe_free``, inlined
                     alive.discard(sid)
                     self.mem -= storage_sizes[sid]
+            if top and event in dead_release_at:  # dead branches' graphs go (``dead_branches``)
+                for dead in dead_release_at[event]:
+                    self.release(self.event_holds.pop(dead, []))
         if recompute and hi < sim.last[region]:
             self.pack_at_stop(region, hi + 1, mapped)
         kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
@@ -771,7 +831,8 @@ class _Replay:
 
     def backward(self, region: int, lo: int, hi: int) -> None:
         sim, trace = self.sim, self.trace
-        event_node, backward_event, idle = trace.event_node, self.backward_event, sim.backward_idle
+        event_node, backward_event = trace.event_node, self.backward_event
+        idle = sim.top_backward_idle if region == 0 else sim.backward_idle
         event, node, ctx = hi, -1, -1
         while event >= lo:
             if event_node[event] != node:  # a block's events mostly run back to back

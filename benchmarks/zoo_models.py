@@ -38,9 +38,8 @@ class Architecture:
         with torch.no_grad():
             out = sample(model(*args, **kwargs))
         target = torch.randn(out.shape, generator=generator)
-        if torch.device(device).type != "cpu":
-            model, target = model.to(device), target.to(device)
-            args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        model, target = model.to(device), target.to(device)
+        args, kwargs = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         return ZooCase(self, model, args, kwargs, target)
 
 

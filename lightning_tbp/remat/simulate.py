@@ -196,11 +196,11 @@ class Simulator:
         # gradient of the whole storage; the storage's gradient proper starts there.
         self.is_view_op = [op.startswith(_VIEW_PRODUCING) for op in trace.event_op]
         # ops no gradient reaches contribute none, and their saves go in the forward
-        self.dead, self.dead_release_at = dead_branches(trace)
+        dead, self.dead_release_at = dead_branches(trace)
         self.partial_grads: list[list[tuple[int, int]]] = [[] for _ in range(n_events)]
         merged = set()
         for event, partial in enumerate(trace.event_partial_inputs):
-            if self.is_view_op[event] or self.dead[event]:
+            if self.is_view_op[event] or dead[event]:
                 continue
             for sid, size in partial.items():
                 if trace.storage_needs_grad[sid]:
@@ -208,7 +208,7 @@ class Simulator:
                     merged.add(sid)
         last_consumer = [-1] * n_storages
         for event, inputs in enumerate(trace.event_inputs):
-            if self.dead[event]:
+            if dead[event]:
                 continue
             for sid in inputs:
                 if not (sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]):
@@ -224,7 +224,7 @@ class Simulator:
         for event, inputs in enumerate(trace.event_inputs):
             if trace.event_op[event].startswith(_RESHAPING_VIEWS) and not trace.event_outputs[event]:
                 continue  # whoever uses the view uses the storage: their contributions are counted there
-            if self.dead[event]:
+            if dead[event]:
                 continue
             for sid in inputs:
                 partial_use = sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]

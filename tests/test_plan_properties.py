@@ -2,10 +2,10 @@
 accepts, the measured step keeps the budget, the prediction holds, and gradients are plain autograd's.
 
 The fixed cases elsewhere check named architectures; here hypothesis draws the structure of
-U-Nets, VAEs, DiTs, SD3 and Flux transformers (depth, widths, block kinds, attention, norm
-groups, resolution, tokens, batch) and the budget (anywhere between
-the minimum the planner names and the naive peak), so the checks run on models nobody tuned the
-planner on. The step is the one diffusion training runs (``DiffusionModule``: the per-sample MSE
+U-Nets (plain, and SDXL-style with cross-attention and added text-time conditioning), VAEs, DiTs,
+Sana, SD3 and Flux transformers and CogVideoX (depth, widths, block kinds, attention, norm groups,
+resolution, frames, tokens, batch) and the budget (anywhere between the minimum the planner names
+and the naive peak), so the checks run on models nobody tuned the planner on. The step is the one diffusion training runs (``DiffusionModule``: the per-sample MSE
 of the output), whose loss the first plan counts. Plans are priced by FLOPs rather than timed
 (``flop_priced_plans``): the memory model is what is under test, and a failing draw must replay
 with the plan that failed. CI runs a fixed draw (``derandomize``); set
@@ -29,6 +29,7 @@ from models import feasible_range, max_relative_difference
 from torch import nn
 
 from lightning_tbp import rematerialize
+from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory import measure_peak
 
 TOLERANCE = 0.05  # measured within ±5% of predicted, as the zoo demands
@@ -193,6 +194,90 @@ def vae(draw: st.DrawFn) -> Drawn:
     return Drawn(model, (torch.randn(batch, 3, size, size),), {})
 
 
+@st.composite
+def unet2d_condition(draw: st.DrawFn) -> Drawn:
+    """UNet2DConditionModel with SDXL's added text-and-time conditioning and cross-attention stages."""
+    from diffusers import UNet2DConditionModel
+
+    levels, groups = draw(st.integers(1, 3)), draw(st.sampled_from([2, 4]))
+    channels = tuple(groups * draw(st.sampled_from([2, 4])) * 2**i for i in range(levels))
+    cross = [draw(st.booleans()) for _ in range(levels)]
+    size, batch, tokens = draw(st.sampled_from([8, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    model = UNet2DConditionModel(
+        sample_size=size,
+        in_channels=4,
+        out_channels=4,
+        layers_per_block=draw(st.integers(1, 2)),
+        block_out_channels=channels,
+        down_block_types=tuple("CrossAttnDownBlock2D" if c else "DownBlock2D" for c in cross),
+        up_block_types=tuple("CrossAttnUpBlock2D" if c else "UpBlock2D" for c in reversed(cross)),
+        transformer_layers_per_block=tuple(draw(st.integers(1, 2)) for _ in range(levels)),
+        cross_attention_dim=16,
+        norm_num_groups=groups,
+        attention_head_dim=draw(st.sampled_from([1, 2])),  # diffusers reads it as the head count
+        addition_embed_type="text_time",
+        addition_time_embed_dim=4,
+        projection_class_embeddings_input_dim=16 + 6 * 4,
+        use_linear_projection=draw(st.booleans()),
+    )
+    kwargs = {
+        "encoder_hidden_states": torch.randn(batch, tokens, 16),
+        "added_cond_kwargs": {"text_embeds": torch.randn(batch, 16), "time_ids": torch.randn(batch, 6)},
+    }
+    return Drawn(model, (torch.randn(batch, 4, size, size), torch.randint(0, 1000, (batch,))), kwargs)
+
+
+@st.composite
+def sana(draw: st.DrawFn) -> Drawn:
+    """Sana: linear self-attention, cross-attention to captions, convolutional (GLUMBConv) MLPs."""
+    from diffusers import SanaTransformer2DModel
+
+    heads, head_dim = draw(st.integers(1, 2)), draw(st.sampled_from([8, 16]))
+    size, batch, tokens = draw(st.sampled_from([8, 16])), draw(st.integers(1, 3)), draw(st.integers(1, 8))
+    model = SanaTransformer2DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        num_layers=draw(st.integers(1, 3)),
+        num_cross_attention_heads=heads,
+        cross_attention_head_dim=head_dim,
+        cross_attention_dim=heads * head_dim,
+        caption_channels=16,
+        sample_size=size,
+        patch_size=draw(st.sampled_from([1, 2])),
+    )
+    kwargs = {"encoder_hidden_states": torch.randn(batch, tokens, 16), "timestep": torch.randint(0, 1000, (batch,))}
+    return Drawn(model, (torch.randn(batch, 4, size, size),), kwargs)
+
+
+@st.composite
+def cogvideox(draw: st.DrawFn) -> Drawn:
+    """CogVideoX: a video transformer over frame-patch tokens with the text tokens in front."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    heads, head_dim = draw(st.integers(1, 2)), 16  # its 3-D sine positions split the width in 16ths
+    size, batch, tokens = draw(st.sampled_from([8, 16])), draw(st.integers(1, 2)), draw(st.integers(1, 8))
+    frames = draw(st.integers(1, 3))  # latent frames; the config names the video's (4x compressed)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=16,
+        text_embed_dim=16,
+        num_layers=draw(st.integers(1, 3)),
+        sample_width=size,
+        sample_height=size,
+        sample_frames=4 * (frames - 1) + 1,
+        patch_size=2,
+        max_text_seq_length=tokens,
+        temporal_compression_ratio=4,
+    )
+    args = (torch.randn(batch, frames, 4, size, size), torch.randn(batch, tokens, 16), torch.randint(0, 1000, (batch,)))
+    return Drawn(model, args, {})
+
+
 def _grads(drawn: Drawn, target: torch.Tensor) -> dict[str, torch.Tensor]:
     """Gradients of one step from a fixed RNG state (DiT drops class labels at random in training)."""
     drawn.model.zero_grad(set_to_none=True)
@@ -203,7 +288,7 @@ def _grads(drawn: Drawn, target: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def _check(drawn: Drawn, where: float) -> None:
     model = drawn.model
-    shapes = [tuple(x.shape) for x in (*drawn.args, *drawn.kwargs.values())]
+    shapes = [tuple(x.shape) for x in tree_flatten((drawn.args, drawn.kwargs))[0] if isinstance(x, torch.Tensor)]
     print("drawn:", {k: v for k, v in model.config.items() if not k.startswith("_")}, shapes)
     with torch.no_grad():
         target = torch.randn(model(*drawn.args, **drawn.kwargs).sample.shape)
@@ -230,7 +315,16 @@ def _check(drawn: Drawn, where: float) -> None:
     assert max_relative_difference(grads, reference) <= 1e-6
 
 
-FAMILIES = {"unet2d": unet2d(), "sd3": sd3(), "dit": dit(), "flux": flux(), "vae": vae()}
+FAMILIES = {
+    "unet2d": unet2d(),
+    "unet2d_condition": unet2d_condition(),
+    "sd3": sd3(),
+    "dit": dit(),
+    "sana": sana(),
+    "flux": flux(),
+    "cogvideox": cogvideox(),
+    "vae": vae(),
+}
 
 
 @pytest.mark.slow

@@ -5,8 +5,9 @@ The fixed cases elsewhere check named architectures; here hypothesis draws the s
 U-Nets (plain, and SDXL-style with cross-attention and added text-time conditioning), VAEs, DiTs,
 Sana, SD3 and Flux transformers and CogVideoX (depth, widths, block kinds, attention, norm groups,
 resolution, frames, tokens, batch) and the budget (anywhere between the minimum the planner names
-and the naive peak), so the checks run on models nobody tuned the planner on. The step is the one diffusion training runs (``DiffusionModule``: the per-sample MSE
-of the output), whose loss the first plan counts. Plans are priced by FLOPs rather than timed
+and the naive peak), so the checks run on models nobody tuned the planner on. The step is the one
+diffusion training runs (``DiffusionModule``: the per-sample MSE of the output), whose loss the
+first plan counts. Plans are priced by FLOPs rather than timed
 (``flop_priced_plans``): the memory model is what is under test, and a failing draw must replay
 with the plan that failed. CI runs a fixed draw (``derandomize``); set
 ``HYPOTHESIS_PROFILE=explore`` to draw afresh and more (shrinking off: each example plans twice).

@@ -448,8 +448,8 @@ class _Replay:
         self.recompute_counts: dict[int, int] = {}
         self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
         self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
-        # A checkpoint inside another stashes the RNG state whenever the enclosing forward runs it
-        # (a CPU tensor its frame keeps); the copy lives on until a recompute runs the block again.
+        # A checkpoint inside another stashes the RNG state whenever the enclosing forward or a
+        # recompute calls it (a CPU tensor its frame keeps): ``restash``.
         self.nested_starts: dict[int, list[int]] = {}  # event -> nested checkpoints starting there
         self.stale_stashes: set[int] = set()  # nested checkpoints whose last stash is still held
         if self.trace.checkpoint_state_bytes:
@@ -608,6 +608,7 @@ class _Replay:
         node = ctx = lazy = -1
         per_op_ns = save_scale = 0.0
         caching = False
+        stashes_ending = 0  # RNG stashes that go as this recompute returns (``restash``)
         for event in range(lo, hi + 1):
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
@@ -629,7 +630,7 @@ class _Replay:
                 if recompute:
                     self.recomputed_nodes.add(ctx)
             if nested_starts and event in nested_starts:
-                self.restash(nested_starts[event], ctx)
+                stashes_ending += self.restash(nested_starts[event], ctx, region, recompute)
             cached = selective_recompute and event_heavy[event] and event <= cache_end
             if cached:
                 handed += self.hand_over_cached(region, event_outputs[event])
@@ -675,9 +676,10 @@ class _Replay:
                 for dead in dead_release_at[event]:
                     self.release(self.event_holds.pop(dead, []))
         if recompute and hi < sim.last[region]:
-            self.pack_at_stop(region, hi + 1, mapped)
+            stashes_ending += self.pack_at_stop(region, hi + 1, mapped)
         kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
         if recompute:  # the recomputed function's own results are dropped when it returns
+            self.mem -= stashes_ending * self.trace.checkpoint_state_bytes
             for sid in [*remap.values(), *handed]:
                 if sid not in kept:
                     self.python_refs.discard(sid)
@@ -716,20 +718,30 @@ class _Replay:
                 handed.append(sid)
         return handed
 
-    def restash(self, blocks: list[int], ctx: int) -> None:
-        """Nested checkpoints start: each stashes the RNG state anew (the context's own stash is
-        ``enter_checkpoint``'s), then the copy an earlier forward of it stashed is released."""
+    def restash(self, blocks: list[int], ctx: int, region: int, recompute: bool) -> int:
+        """Nested checkpoints are called: each call stashes the RNG state, a CPU tensor its frame
+        keeps (a context's own stash is ``enter_checkpoint``'s). The top-level forward's frames
+        live until their block's backward is done (``release_stashes_inside``). A recompute's
+        frames are dropped when it returns, while the originals stay; from then on the context's
+        own stash stands in for its original. Returns how many stashes go as the recompute returns."""
         state = self.trace.checkpoint_state_bytes
+        ending = 0
         for block in blocks:
-            if block != ctx:
+            if block == region:
+                continue  # its own recompute runs the block's function, not its checkpoint
+            if not recompute:
                 self.mem += state
-            if block in self.stale_stashes:
-                self.tick()
-                self.mem -= state
-            if block != ctx:
+                if block in self.stale_stashes:  # a block whose earlier call this one replaces
+                    self.tick()
+                    self.mem -= state
                 self.stale_stashes.add(block)
-            else:
+            elif block != ctx:
+                self.mem += state
+                ending += 1
+            elif block in self.stale_stashes:
                 self.stale_stashes.discard(block)
+                ending += 1
+        return ending
 
     def release_stashes_inside(self, block: int) -> None:
         """The backward of ``block`` is done: stashes of checkpoints inside it that no recompute
@@ -739,21 +751,27 @@ class _Replay:
             self.stale_stashes.discard(inner)
             self.mem -= self.trace.checkpoint_state_bytes
 
-    def pack_at_stop(self, region: int, stop: int, mapped: Callable[[int], int]) -> None:
+    def pack_at_stop(self, region: int, stop: int, mapped: Callable[[int], int]) -> int:
         """Hold what the event that ends a recomputation packs.
 
         torch stops a recomputation at its last *pack*, and autograd packs an op's saved inputs
         before the op runs (an inner checkpoint packs its inputs as it starts): the op itself is
         not re-run, but what it packed stays in the checkpoint until its backward unpacks it.
+        Returns the RNG stashes that go as the recompute returns (``restash``).
         """
         sim, trace = self.sim, self.trace
         ctx = self.context(trace.event_node[stop], region)
         if ctx >= 0 and stop == sim.first[ctx]:
             self.enter_checkpoint(ctx, mapped)
             self.recomputed_nodes.add(ctx)
+            self.tick()  # its stash is allocated before the pack stops the recompute
+            if ctx in self.stale_stashes:  # its stash now stands in for the original's
+                self.stale_stashes.discard(ctx)
+                return 1
         elif ctx < 0 and trace.event_saves[stop]:
             self.event_holds[stop] = self.hold([mapped(s) for s in trace.event_saves[stop]])
             self.recomputed_holds.add(stop)
+        return 0
 
     def end_pass(self) -> None:
         """Bookkeeping's clipped sums (one booked layer at a time), then the pass's leftover

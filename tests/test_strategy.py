@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_tbp
 from lightning_tbp import NothingToPlanWarning, TinyBackpropStrategy
+from lightning_tbp.remat.verify import TIMED_STEPS, describe_step_time
 
 
 class Losses(Callback):
@@ -35,7 +36,7 @@ def fit(strategy, data: torch.Tensor, net: nn.Module | None = None, **trainer_kw
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[losses],
+        callbacks=[losses, *trainer_kwargs.pop("callbacks", [])],
         **trainer_kwargs,
     )
     trainer.fit(model, DataLoader(TensorDataset(data), batch_size=2))
@@ -74,6 +75,30 @@ def test_measured_peak_is_reported_next_to_the_prediction(data) -> None:
     assert shape_plan.measured_peak_bytes is not None
     assert abs(shape_plan.measured_peak_bytes / shape_plan.predicted_peak_bytes - 1) <= 0.10
     assert "measured peak" in trainer.strategy.plan.report()
+
+
+def test_step_time_is_measured_after_the_metered_step_and_reported(data, caplog) -> None:
+    """A plan's time is read from the steps after its metered one (the meter slows a step): their
+    median is filed beside the predicted time, logged, and in the report and its JSON."""
+
+    class StepTimes(Callback):
+        def __init__(self) -> None:
+            self.seen: list[float | None] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.seen.append(trainer.strategy.plan.current.measured_step_ns)
+
+    times = StepTimes()
+    with caplog.at_level("INFO"):
+        trainer, _, _ = fit("tiny_backprop", data, max_steps=1 + TIMED_STEPS, callbacks=[times])
+    # nothing until the last of the timed steps after the metered one
+    assert times.seen[:-1] == [None] * TIMED_STEPS and times.seen[-1] is not None
+    shape_plan = trainer.strategy.plan.current
+    # the module's step alone: neither the planning (about a second) nor the metered step is in it
+    assert 0.2 < shape_plan.measured_step_ns / shape_plan.planned_step_ns < 5
+    assert describe_step_time(shape_plan) in trainer.strategy.plan.report()
+    assert trainer.strategy.plan.to_dict()["measured_step_ns"] == shape_plan.measured_step_ns
+    assert any("step time" in record.getMessage() for record in caplog.records)
 
 
 def test_refuses_several_devices() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
 from lightning_tbp.remat.shape_plan import ShapePlan, describe_held, describe_loss
+from lightning_tbp.remat.verify import describe_step_time
 
 
 def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
@@ -53,6 +54,8 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         f"step's FLOPs; the plan adds about {sp.recompute_time_ratio:.3f} of the step's time (est.); profiled in "
         f"{sp.profile_seconds:.2f}s, solved in {sp.solve_seconds:.2f}s"
     )
+    if sp.measured_step_ns is not None:
+        lines.append(describe_step_time(sp))
     return "\n".join(lines)
 
 
@@ -79,6 +82,8 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "predicted_recompute_flops": sp.planned.recompute_flops,
         "predicted_recompute_ns": sp.planned.recompute_cost,
         "predicted_step_ns": sp.step_ns,
+        "predicted_planned_step_ns": sp.planned_step_ns,
+        "measured_step_ns": sp.measured_step_ns,
         "recompute_time_ratio_of_step": sp.recompute_time_ratio,
         "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
         "profile_seconds": sp.profile_seconds,

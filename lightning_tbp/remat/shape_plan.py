@@ -64,6 +64,7 @@ class ShapePlan:
     loss_bytes: int = 0  # what the prediction allows for the loss computed from the outputs (``loss.py``)
     loss_measured: bool = False  # that loss was measured on a step (else assumed)
     measured_loss_bytes: int | None = None  # the loss of the metered step (``verify.StepReading``)
+    measured_step_ns: float | None = None  # median time of its timed steps (``verify.StepClock``)
 
     @property
     def measured_at_planned_batch(self) -> bool:
@@ -75,6 +76,11 @@ class ShapePlan:
     @property
     def predicted_peak_bytes(self) -> int:
         return self.planned.peak_bytes
+
+    @property
+    def planned_step_ns(self) -> float:
+        """Predicted time of the step under the plan: the unplanned step's and the plan's extra."""
+        return self.step_ns + self.planned.recompute_cost
 
     @property
     def recompute_time_ratio(self) -> float:

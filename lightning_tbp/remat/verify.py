@@ -1,21 +1,28 @@
-"""Plans checked against what really happens: metering a step and the verdict on it.
+"""Plans checked against what really happens: metering a step, timing steps, the verdict.
 
 :class:`StepMeter` owns the metering session of a plan (one at a time): the exact allocator peak
 on CPU (a profiler session) or CUDA's allocator statistics. :class:`Verification` compares the
 measured peak with the prediction and the budget; when the budget was passed it carries the
 correction a re-plan folds in (see :meth:`lightning_tbp.remat.plan.Plan.verify`).
+:class:`StepClock` times a plan's steps once its metered one is over.
 """
 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.replay import output_tensors
+
+if TYPE_CHECKING:  # a cycle at run time: shape_plan -> simulate -> trace -> loss -> this module
+    from lightning_tbp.remat.shape_plan import ShapePlan
 
 
 def can_meter(device: torch.device) -> bool:
@@ -121,3 +128,67 @@ class Verification:
         if self.replanned:
             text += "; re-planned with the measurement folded in"
         return text
+
+
+#: Steps of a plan timed (after its metered one); their median is filed on it.
+TIMED_STEPS = 5
+
+
+class StepClock:
+    """Times the forward and backward of a plan's module on the steps after its metered one.
+
+    A metered step runs under the allocator meter (on CPU a profiler session, which slows it),
+    so a plan's time is read from its next ``steps`` steps at the batch it was planned for: from
+    the module's forward to the end of the backward (the loss between them included; data
+    loading, the optimizer and whatever the step does before the forward not). Their median is
+    filed on the plan (``ShapePlan.measured_step_ns``) to set beside the prediction, the
+    unplanned step's time plus the plan's recomputation. CUDA is synchronised at both ends of
+    the timed steps only."""
+
+    def __init__(self, steps: int = TIMED_STEPS) -> None:
+        self.steps = steps
+        self._running: tuple[ShapePlan, int] | None = None
+        self._samples: dict[int, tuple[ShapePlan, list[int]]] = {}  # by id(plan); the plan kept alive
+
+    def forward_started(self, shape_plan: ShapePlan | None, batch_size: int | None, device: torch.device) -> None:
+        """The module's forward starts under ``shape_plan``: time the step if the plan still
+        needs timing and the batch is the one it was planned for."""
+        if shape_plan is None or shape_plan.measured_step_ns is not None or self._running is not None:
+            return
+        if batch_size != shape_plan.batch_size:
+            return
+        _synchronise(device)
+        self._running = (shape_plan, time.perf_counter_ns())
+
+    def backward_ended(self, shape_plan: ShapePlan | None, metered: bool, device: torch.device) -> ShapePlan | None:
+        """The step's backward is over. A step that was metered or that changed the plan is not
+        counted. Returns the plan whose last timed step this was (its median filed), else None."""
+        running, self._running = self._running, None
+        if running is None or metered or running[0] is not shape_plan:
+            return None
+        _synchronise(device)
+        elapsed = time.perf_counter_ns() - running[1]
+        plan, samples = self._samples.setdefault(id(shape_plan), (shape_plan, []))
+        samples.append(elapsed)
+        if len(samples) < self.steps:
+            return None
+        del self._samples[id(shape_plan)]
+        plan.measured_step_ns = float(statistics.median(samples))
+        return plan
+
+
+def describe_step_time(shape_plan: ShapePlan) -> str:
+    """A plan's timed steps against its predicted time (empty until they are timed)."""
+    measured, predicted = shape_plan.measured_step_ns, shape_plan.planned_step_ns
+    if measured is None:
+        return ""
+    return (
+        f"step time {measured / 1e6:.1f} ms measured (forward to the end of the backward, median of {TIMED_STEPS} "
+        f"steps) = {measured / predicted:.3f} of the {predicted / 1e6:.1f} ms predicted (the unplanned step "
+        f"{shape_plan.step_ns / 1e6:.1f} ms + the plan's {shape_plan.planned.recompute_cost / 1e6:.1f} ms)"
+    )
+
+
+def _synchronise(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -31,7 +31,8 @@ from typing_extensions import override
 from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
-from lightning_tbp.remat.signature import Signature
+from lightning_tbp.remat.signature import Signature, batch_size_of
+from lightning_tbp.remat.verify import StepClock, describe_step_time
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
 
 
@@ -120,6 +121,8 @@ class TinyBackpropMixin:
         self.target = target
         self.plan: Plan | None = None
         self._reported: set[int] = set()
+        self._clock = StepClock()
+        self._clock_hook: torch.utils.hooks.RemovableHandle | None = None
 
     # -- the parts of the Lightning strategy API that change --------------------------------------
     @override
@@ -151,10 +154,17 @@ class TinyBackpropMixin:
             self.plan = Plan(
                 module, self.memory_budget, measure=True, agree=agree, backward_passes=passes, held=self.held_memory
             )
+            self._clock = StepClock()
+            # after the plan's own pre-hook, so a step starts once its plan is made
+            self._clock_hook = module.register_forward_pre_hook(self._forward_started, with_kwargs=True)
             rank_zero_info(
                 f"tiny_backprop: planning {path or type(module).__name__} ({type(module).__name__}) "
                 f"under budget {self.memory_budget.describe()} per device at its first training batch"
             )
+
+    def _forward_started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.plan is not None and torch.is_grad_enabled():
+            self._clock.forward_started(self.plan.current, batch_size_of(args, kwargs), self.root_device)
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part
@@ -269,13 +279,16 @@ class TinyBackpropMixin:
         super().post_backward(closure_loss)
         if self.plan is None:
             return
+        checked = self.plan.finish_measurement()
         current = self.plan.current
+        timed = self._clock.backward_ended(current, checked is not None, self.root_device)
         if current is not None and id(current) not in self._reported:
             self._reported.add(id(current))
             rank_zero_info(f"tiny_backprop plan:\n{self.plan.report(current)}")
-        checked = self.plan.finish_measurement()
         if checked is not None:
             self._check_plan(checked)
+        if timed is not None:
+            rank_zero_info(f"tiny_backprop: {describe_step_time(timed)} on rank 0")
 
     def _check_plan(self, checked: ShapePlan) -> None:
         """The measured peak against the prediction and the budget: logged, and over the budget
@@ -336,6 +349,9 @@ class TinyBackpropMixin:
     def teardown(self) -> None:
         if self.privacy is not None:
             self.privacy.teardown()
+        if self._clock_hook is not None:
+            self._clock_hook.remove()
+            self._clock_hook = None
         if self.plan is not None:
             self.plan.remove()  # the module is restored; the plan object stays for its reports
         super().teardown()

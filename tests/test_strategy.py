@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lightning_tbp
 from lightning_tbp import NothingToPlanWarning, TinyBackpropStrategy
-from lightning_tbp.remat.verify import TIMED_STEPS, describe_step_time
+from lightning_tbp.remat.verify import TIMED_STEPS, WARM_UP_STEPS, describe_step_time
 
 
 class Losses(Callback):
@@ -78,8 +78,8 @@ def test_measured_peak_is_reported_next_to_the_prediction(data) -> None:
 
 
 def test_step_time_is_measured_after_the_metered_step_and_reported(data, caplog) -> None:
-    """A plan's time is read from the steps after its metered one (the meter slows a step): their
-    median is filed beside the predicted time, logged, and in the report and its JSON."""
+    """A plan's time is read from steps after its metered one (the meter slows a step) and a
+    warm-up: their median is filed beside the predicted time, logged, in the report and its JSON."""
 
     class StepTimes(Callback):
         def __init__(self) -> None:
@@ -90,9 +90,9 @@ def test_step_time_is_measured_after_the_metered_step_and_reported(data, caplog)
 
     times = StepTimes()
     with caplog.at_level("INFO"):
-        trainer, _, _ = fit("tiny_backprop", data, max_steps=1 + TIMED_STEPS, callbacks=[times])
-    # nothing until the last of the timed steps after the metered one
-    assert times.seen[:-1] == [None] * TIMED_STEPS and times.seen[-1] is not None
+        trainer, _, _ = fit("tiny_backprop", data, max_steps=1 + WARM_UP_STEPS + TIMED_STEPS, callbacks=[times])
+    # nothing until the last of the timed steps after the metered one and the warm-up
+    assert times.seen[:-1] == [None] * (WARM_UP_STEPS + TIMED_STEPS) and times.seen[-1] is not None
     shape_plan = trainer.strategy.plan.current
     # the module's step alone: neither the planning (about a second) nor the metered step is in it
     assert 0.2 < shape_plan.measured_step_ns / shape_plan.planned_step_ns < 5

@@ -130,23 +130,27 @@ class Verification:
         return text
 
 
-#: Steps of a plan timed (after its metered one); their median is filed on it.
+#: Steps of a plan timed after its metered one and a warm-up; their median is filed on it.
 TIMED_STEPS = 5
+#: Steps after the metered one not timed: the first few ran 10-30% slower than later ones on
+#: this project's CPU (a tiny U-Net: 83-98 ms, then 73-78 ms), which the median of five kept.
+WARM_UP_STEPS = 5
 
 
 class StepClock:
     """Times the forward and backward of a plan's module on the steps after its metered one.
 
     A metered step runs under the allocator meter (on CPU a profiler session, which slows it),
-    so a plan's time is read from its next ``steps`` steps at the batch it was planned for: from
+    so a plan's time is read from ``steps`` steps at the batch it was planned for, after
+    ``WARM_UP_STEPS`` more: from
     the module's forward to the end of the backward (the loss between them included; data
     loading, the optimizer and whatever the step does before the forward not). Their median is
     filed on the plan (``ShapePlan.measured_step_ns``) to set beside the prediction, the
     unplanned step's time plus the plan's recomputation. CUDA is synchronised at both ends of
     the timed steps only."""
 
-    def __init__(self, steps: int = TIMED_STEPS) -> None:
-        self.steps = steps
+    def __init__(self, steps: int = TIMED_STEPS, warm_up: int = WARM_UP_STEPS) -> None:
+        self.steps, self.warm_up = steps, warm_up
         self._running: tuple[ShapePlan, int] | None = None
         self._samples: dict[int, tuple[ShapePlan, list[int]]] = {}  # by id(plan); the plan kept alive
 
@@ -170,10 +174,10 @@ class StepClock:
         elapsed = time.perf_counter_ns() - running[1]
         plan, samples = self._samples.setdefault(id(shape_plan), (shape_plan, []))
         samples.append(elapsed)
-        if len(samples) < self.steps:
+        if len(samples) < self.warm_up + self.steps:
             return None
         del self._samples[id(shape_plan)]
-        plan.measured_step_ns = float(statistics.median(samples))
+        plan.measured_step_ns = float(statistics.median(samples[self.warm_up :]))
         return plan
 
 
@@ -184,8 +188,9 @@ def describe_step_time(shape_plan: ShapePlan) -> str:
         return ""
     return (
         f"step time {measured / 1e6:.1f} ms measured (forward to the end of the backward, median of {TIMED_STEPS} "
-        f"steps) = {measured / predicted:.3f} of the {predicted / 1e6:.1f} ms predicted (the unplanned step "
-        f"{shape_plan.step_ns / 1e6:.1f} ms + the plan's {shape_plan.planned.recompute_cost / 1e6:.1f} ms)"
+        f"steps after {WARM_UP_STEPS}) = {measured / predicted:.3f} of the {predicted / 1e6:.1f} ms predicted "
+        f"(the unplanned step {shape_plan.step_ns / 1e6:.1f} ms + the plan's "
+        f"{shape_plan.planned.recompute_cost / 1e6:.1f} ms)"
     )
 
 

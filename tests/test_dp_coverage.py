@@ -10,8 +10,12 @@ an error that names the parameter or module. The named tests below pin each defe
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,9 +27,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from lightning_tbp.privacy import MODES, CoverageError, PerSampleLossError, UnsupportedLayerError, attach
-from lightning_tbp.remat import Option
+from lightning_tbp.compat import tree_flatten, tree_unflatten
+from lightning_tbp.privacy import (
+    BACKWARD_PASSES,
+    MODES,
+    CoverageError,
+    PerSampleLossError,
+    UnsupportedLayerError,
+    attach,
+)
+from lightning_tbp.remat import Option, Plan
 from lightning_tbp.remat.apply import InstalledWrappers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from zoo_models import ZOO
+from zoo_models import sample as zoo_sample
 
 B, T, D = 5, 4, 8  # no two alike, so a layout mix-up cannot pass for the batch
 
@@ -538,3 +554,79 @@ def test_detach_restores_plain_parameter_tables_and_attribute_reads_act_on_param
     engine.detach()
     assert {name: type(m._parameters) for name, m in model.named_modules()} == tables
     assert isinstance(model.blocks[0].scale_shift_table, nn.Parameter)
+
+
+# -- the diffusers zoo: every architecture the planner is checked on, under DP ------------------
+
+_ZOO_BATCH = 3
+#: Architectures the engine refuses, and what the refusal must name. CogVideoX folds its frames
+#: into the batch before the patch embedding's convolution (rows are sample-frames there).
+_ZOO_REFUSED = {"cogvideox": "patch_embed.proj"}
+
+
+@functools.cache
+def _zoo_reference(name: str) -> tuple[nn.Module, Callable, dict, Any, torch.Tensor, float]:
+    """A zoo model with its per-sample loss, and ``torch.func``'s clipped sum at the median norm."""
+    case = ZOO[name].case(batch=_ZOO_BATCH)
+    for module in case.model.modules():  # DiT drops class labels at random in training: no draws
+        if hasattr(module, "dropout_prob"):
+            module.dropout_prob = 0.0
+    leaves, spec = tree_flatten((case.args, case.kwargs))
+    batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == _ZOO_BATCH for x in leaves]
+    batch = {f"{i}": x for i, (x, b) in enumerate(zip(leaves, batched, strict=True)) if b} | {"target": case.target}
+
+    def loss(call: Callable, rows: dict) -> torch.Tensor:
+        args, kwargs = tree_unflatten([rows.get(f"{i}", x) for i, x in enumerate(leaves)], spec)
+        return (zoo_sample(call(*args, **kwargs)).float() - rows["target"]).square().flatten(1).mean(1)
+
+    if name in _ZOO_REFUSED:
+        return case.model, loss, batch, {}, torch.empty(0), 0.0
+    grads = per_sample_grads(case.model, loss, batch)
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    threshold = float(norms.median())
+    expected, _ = clipped_sum(grads, threshold)
+    return case.model, loss, batch, expected, norms, threshold
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_every_zoo_architecture_is_clipped_exactly_or_refused_by_name(name: str, mode: str) -> None:
+    """The zoo's diffusers models, each trainable parameter against ``vmap(grad)`` at noise 0."""
+    model, loss, batch, *reference = _zoo_reference(name)
+    engine = attach(model, mode=mode, max_grad_norm=reference[-1] or 1.0, noise_multiplier=0.0)
+    try:
+        model.zero_grad(set_to_none=True)
+        if name in _ZOO_REFUSED:
+            with pytest.raises(PerSampleLossError, match=_ZOO_REFUSED[name]):
+                engine.backward(loss(model, batch))
+            return
+        engine.backward(loss(model, batch))
+        expected, norms, _ = reference
+        _assert_exact(model, engine, expected, norms)
+        assert 0 < int((engine.clip_coefficients < 1).sum()) < _ZOO_BATCH  # some clipped, some not
+    finally:
+        engine.detach()
+
+
+@pytest.mark.usefixtures("flop_priced_plans")  # the same plan on every run
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])  # two backward passes; one, with a book
+@pytest.mark.parametrize("name", sorted(set(ZOO) - set(_ZOO_REFUSED)))
+def test_every_zoo_architecture_is_clipped_exactly_under_a_plan(name: str, mode: str) -> None:
+    """The same under a rematerialization plan made for the DP step: checkpointed blocks
+    recomputed in each pass (ghost) or replayed after the book (bookkeeping)."""
+    model, loss, batch, expected, norms, threshold = _zoo_reference(name)
+    case = ZOO[name].case(batch=_ZOO_BATCH)  # the same call, for the profile
+    plan = Plan(model, 0.6, backward_passes=BACKWARD_PASSES[mode])
+    engine = None
+    try:
+        with torch.enable_grad():
+            plan.plan_for(case.args, case.kwargs)
+        assert set(plan.current.options.values()) - {Option.KEEP}, "the plan checkpoints something"
+        engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
+        model.zero_grad(set_to_none=True)
+        engine.backward(loss(model, batch))
+        _assert_exact(model, engine, expected, norms)
+    finally:
+        if engine is not None:
+            engine.detach()
+        plan.remove()

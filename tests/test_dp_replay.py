@@ -244,6 +244,51 @@ def test_an_output_returned_twice_is_replayed_once_and_a_view_is_booked(view: bo
     assert next(node for node in trace.nodes if node.path == "down").replayable is not view
 
 
+class DownStage(nn.Module):
+    """Two blocks returning both states, as a U-Net's down stage returns its skips: the first
+    state is an output *and* the second block's input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = Block(16, 0.0), Block(16, 0.0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        h0 = self.first(x)
+        h1 = self.second(h0)
+        return h1, (h0, h1)
+
+
+class DownUp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = DownStage()
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, (skip0, skip1) = self.down(x)
+        return self.head(h + skip0 * 0.5 + skip1 * 0.25)
+
+
+def test_an_output_the_block_also_reads_is_replayed_with_the_outside_gradient_only(reruns) -> None:
+    """A skip state feeds the stage's next block too. Its hook once sat on the tensor itself and
+    took the gradient from inside the stage as well, which the replay's backward then added
+    again: every clipped sum of the layers before the last skip was wrong (diffusers' U-Net down
+    blocks under bookkeeping with a plan), the norms right. The hook now sits on an alias that
+    only the caller reads."""
+    torch.manual_seed(0)
+    model = DownUp()
+    data = {"x": torch.randn(6, 8, 16), "y": torch.randn(6, 8, 2)}
+    unplanned = _clipped_step(model, data, autocast=False)
+    wrappers = checkpointed(model, ("down",))
+    try:
+        planned = _clipped_step(model, data, autocast=False)
+    finally:
+        wrappers.remove()
+    assert len(reruns) == 1
+    for name, grad in unplanned.items():
+        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
 def test_a_frozen_block_stays_a_plain_checkpoint(reruns) -> None:
     """A block without a clipped parameter has nothing to replay: it is not recorded (no second
     forward, no inputs and output gradient kept to the end of the backward), the trace tells the

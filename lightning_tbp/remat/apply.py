@@ -81,8 +81,7 @@ def _checkpointed_forward(
             return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
         with recording(recorded):
             outputs = checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True)
-        watch_outputs(recorded, outputs, recorder)
-        return outputs
+        return watch_outputs(recorded, outputs, recorder)
 
     return forward
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from lightning_tbp.compat import storage_key, tree_flatten, version_counter
+from lightning_tbp.compat import storage_key, tree_flatten, tree_map, version_counter
 from lightning_tbp.remat.step import set_per_module
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
@@ -184,17 +184,28 @@ def replayed(call: CheckpointedCall | None) -> bool:
     return call is not None and call.replayable
 
 
-def watch_outputs(call: CheckpointedCall, outputs: Any, recorder: CheckpointRecorder) -> None:
-    """Hand each output's gradient to ``recorder`` when the backward reaches it, and mark the
-    call replayable, unless two outputs share memory (a view and its base, say): the gradient
-    one hook sees may then include the other's, and replaying both would count it twice.
+def watch_outputs(call: CheckpointedCall, outputs: Any, recorder: CheckpointRecorder) -> Any:
+    """Hand each output's gradient from outside the block to ``recorder`` when the backward
+    reaches it, mark the call replayable, and return ``outputs`` with each tensor replaced by an
+    alias (a view of all of it) that carries the hook.
 
-    The hooks (and through them ``call`` and its inputs) live as long as the graph does: a
-    forward whose graph is dropped without a backward keeps nothing."""
+    The replay backpropagates these gradients through the block again, whose own graph adds what
+    the block's layers read of its outputs. A down block's skip states are outputs it also feeds
+    to its next layer: a hook on such a tensor sees the gradient from outside *and* from inside
+    the block, and the inside's would be counted twice. The alias is read only outside, so its
+    gradient is the outside's alone.
+
+    Nothing is watched (and ``outputs`` come back as they are) when two outputs share memory (a
+    view and its base, say): the gradient one sees may then include the other's. The hooks (and
+    through them ``call`` and its inputs) live as long as the graph does: a forward whose graph
+    is dropped without a backward keeps nothing."""
     tensors = output_tensors(outputs)
     if not outputs_replayable(tensors):
-        return
+        return outputs
+    aliases = {id(tensor): tensor.view_as(tensor) for tensor in tensors}
     for index, tensor in enumerate(tensors):
-        if tensor.requires_grad:
-            tensor.register_hook(functools.partial(recorder.checkpoint_output_grad, call, index))
+        alias = aliases[id(tensor)]
+        if alias.requires_grad:
+            alias.register_hook(functools.partial(recorder.checkpoint_output_grad, call, index))
     call.replayable = True
+    return tree_map(lambda leaf: aliases.get(id(leaf), leaf) if isinstance(leaf, torch.Tensor) else leaf, outputs)

@@ -236,6 +236,22 @@ def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(nam
         assert minimum <= math.ceil(result.peak_bytes / (1 - PLANNING_MARGIN))
 
 
+def test_the_minimum_budget_named_for_a_dp_step_is_accepted() -> None:
+    """The same promise for a plan made with an engine attached, on the SDXL-style U-Net: large
+    enough that the lowest-peak descents apply moves in batches, whose size once followed the
+    target; retried with the minimum named under bookkeeping, it named a higher one."""
+    case = ZOO["sdxl_unet"].case(batch=4)
+    model = case.model.eval()
+    engine = attach(model, mode="bookkeeping", max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        minimum = _lowest_budget(model, case.args, case.kwargs)
+        plan = rematerialize(model, *case.args, memory_budget=minimum, **case.kwargs)
+        assert plan.current.predicted_peak_bytes <= minimum
+        plan.remove()
+    finally:
+        engine.detach()
+
+
 def test_each_block_is_priced_at_its_measured_forward() -> None:
     """Ops take the framework cost of the block they run in: a block's own ops (outside its
     child blocks) share what its real forward spent beyond its children's, the ops outside every

@@ -390,7 +390,10 @@ class Solver:
             scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
         if self.large:
-            batched = self._batch_move(options, result, scored, result.peak_bytes - target_bytes)
+            # a cost-blind descent must not depend on its target either: the user who retries with
+            # the minimum it named must be led down the same path (as if to the floor, target 0)
+            deficit = result.peak_bytes - (0 if cost_blind else target_bytes)
+            batched = self._batch_move(options, result, scored, deficit)
             if batched is not None:
                 return batched
         best = None

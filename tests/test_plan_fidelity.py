@@ -252,6 +252,47 @@ def test_the_minimum_budget_named_for_a_dp_step_is_accepted() -> None:
         engine.detach()
 
 
+def test_blocks_are_calibrated_on_inputs_the_profiles_timed_forward_kept() -> None:
+    """The representative blocks' inputs come from the profile's own timed forward: they are
+    what a plain forward hands those blocks, the calibration runs every option on each block
+    without a forward of the whole model, and it lets the inputs go when it is done."""
+    from lightning_tbp.compat import tree_flatten
+    from lightning_tbp.remat.calibrate_blocks import BlockInputs, calibrate
+    from lightning_tbp.remat.simulate import Option
+    from lightning_tbp.remat.trace import record_trace
+
+    case = ZOO["unet2d"].case(batch=2)
+    model, options = case.model, (Option.FULL, Option.SELECTIVE, Option.LAZY)
+    block_inputs = BlockInputs(model)
+    trace = record_trace(model, case.args, case.kwargs, block_inputs=block_inputs)
+    assert len(block_inputs.paths) == 2 and set(block_inputs.inputs) == set(block_inputs.paths)
+    plain: dict[str, tuple] = {}
+    hooks = [
+        model.get_submodule(path).register_forward_pre_hook(
+            lambda _, args, kwargs, path=path: plain.setdefault(path, (args, kwargs)), with_kwargs=True
+        )
+        for path in block_inputs.paths
+    ]
+    with torch.no_grad():
+        model(*case.args, **case.kwargs)
+    for hook in hooks:
+        hook.remove()
+    for path in block_inputs.paths:
+        kept, given = tree_flatten(block_inputs.inputs[path])[0], tree_flatten(plain[path])[0]
+        for a, b in zip(kept, given, strict=True):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, path
+
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    try:
+        calibration = calibrate(model, trace, block_inputs, options)
+    finally:
+        hook.remove()
+    assert not forwards and not block_inputs.inputs
+    assert {(t.path, t.option) for t in calibration.timings} == {(p, o) for p in block_inputs.paths for o in options}
+    assert set(calibration.option_scale) == set(options)
+
+
 def test_each_block_is_priced_at_its_measured_forward() -> None:
     """Ops take the framework cost of the block they run in: a block's own ops (outside its
     child blocks) share what its real forward spent beyond its children's, the ops outside every

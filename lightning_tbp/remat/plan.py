@@ -33,7 +33,7 @@ from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.meters import refuse_nested_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
-from lightning_tbp.remat.calibrate_blocks import Calibration, calibrate
+from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
 from lightning_tbp.remat.signature import (
@@ -213,21 +213,18 @@ class Plan:
         self._planning = True
         active = dict(self._active)
         self._active.clear()
+        # once per plan: option costs timed on the model's own blocks, from inputs the profile keeps
+        block_inputs = BlockInputs(self.module) if self._calibration is None else None
         try:
             start = time.perf_counter()
-            trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call)
+            trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call, block_inputs=block_inputs)
+            if block_inputs is not None:
+                soft = (Option.SELECTIVE, Option.LAZY) if self._selective() else (Option.LAZY,)
+                self._calibration = calibrate(self.module, trace, block_inputs, (Option.FULL, *soft))
             profile_seconds = time.perf_counter() - start
         finally:
             self._active.update(active)
             self._planning = False
-        if self._calibration is None:  # once per plan: option costs timed on the model's own blocks
-            options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if self._selective() else (Option.FULL, Option.LAZY)
-            self._planning = True
-            try:
-                self._calibration = calibrate(self.module, trace, args, kwargs, options, inside_call=self._inside_call)
-            finally:
-                self._planning = False
-            profile_seconds = time.perf_counter() - start
         trace.option_scale = self._calibration.option_scale
         # a loss measured on an earlier signature's step, scaled to these outputs; else the assumed one
         loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes) or trace.assumed_loss_bytes

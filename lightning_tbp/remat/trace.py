@@ -22,8 +22,9 @@ import sys
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -342,8 +343,25 @@ def frozen_buffers(module: nn.Module) -> Iterator[None]:
                 buf.copy_(saved[name])
 
 
+class BlockInputCapture(Protocol):
+    """Who wants some blocks' inputs from the profile's timed forward (``calibrate_blocks``)."""
+
+    def choose(self, trace: Trace, merged: set[str]) -> Collection[str]:
+        """Paths of the blocks, from ``trace`` with its ops timed; ``merged``: paths of modules
+        called more than once, which the trace will merge into their parents."""
+
+    def capture(self, path: str, args: tuple, kwargs: dict) -> None:
+        """The arguments the block at ``path`` was called with (each call)."""
+
+
 def record_trace(
-    module: nn.Module, args: tuple, kwargs: dict, *, inside_call: bool = False, measure: bool = True
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    inside_call: bool = False,
+    measure: bool = True,
+    block_inputs: BlockInputCapture | None = None,
 ) -> Trace:
     """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
 
@@ -354,6 +372,9 @@ def record_trace(
     before it already ran for this call; the profile then runs ``module.forward`` alone. Calling
     the module again would run its hooks twice: FSDP2's post-forward hook, for one, would reshard
     the parameters that its pre-forward hook gathered for the real forward.
+
+    ``block_inputs``: told which blocks' inputs to keep once the ops are timed, it gets them
+    from the timed real forward (``measure`` only), which saves the caller a forward of its own.
 
     ``measure=False``: sizes, saves and FLOPs only, for a module and inputs made of fake tensors
     (``lightning_tbp.estimate``): nothing can run for real, so op times, workspaces and plan
@@ -452,12 +473,17 @@ def record_trace(
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns
         trace.event_backward_cost[event] = backward_ns
+    repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if measure:
-        _scale_to_framework(trace, *_time_forward(module, candidates, args, kwargs, inside_call, cuda_devices))
+        wanted = set(block_inputs.choose(trace, repeated)) if block_inputs is not None else set()
+        captured = {sub: path for sub, path in candidates.items() if path in wanted}
+        timing = _time_forward(
+            module, candidates, args, kwargs, inside_call, cuda_devices, captured=captured, block_inputs=block_inputs
+        )
+        _scale_to_framework(trace, *timing)
     device = devices[0] if devices else torch.device("cpu")
     trace.overheads = step_overheads(device) if measure else StepOverheads()
     trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
-    repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if repeated:
         _drop_repeated(trace, repeated)
     root.first_event, root.last_event = 0, trace.num_events - 1
@@ -495,11 +521,14 @@ def _time_forward(
     kwargs: dict,
     inside_call: bool,
     cuda_devices: list[int],
+    *,
+    captured: dict[nn.Module, str] | None = None,
+    block_inputs: BlockInputCapture | None = None,
 ) -> tuple[float, list[float]]:
     """Best of two real forwards with gradients (one if the first is long), autograd and module
     overhead included, its saved tensors dropped as in the profile so it stays memory-safe:
     nanoseconds of the whole forward, and of each candidate block's call in call order (the
-    trace's node order)."""
+    trace's node order). The blocks in ``captured`` hand their arguments to ``block_inputs``."""
 
     def refuse(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp timing graph cannot be backpropagated")
@@ -521,7 +550,17 @@ def _time_forward(
         slot, start = open_calls.pop()
         calls[slot] = float(time.perf_counter_ns() - start)
 
-    handles = [sub.register_forward_pre_hook(enter) for sub in candidates]
+    def hand_over(path: str) -> Callable[[nn.Module, tuple, dict], None]:
+        def capture(_: nn.Module, block_args: tuple, block_kwargs: dict) -> None:
+            if block_inputs is not None:
+                block_inputs.capture(path, block_args, block_kwargs)
+
+        return capture
+
+    # registered first, so the time a block takes to hand its inputs over is outside its call
+    captured = captured or {}
+    handles = [sub.register_forward_pre_hook(hand_over(path), with_kwargs=True) for sub, path in captured.items()]
+    handles += [sub.register_forward_pre_hook(enter) for sub in candidates]
     handles += [sub.register_forward_hook(leave) for sub in candidates]
     best, best_calls, runs = float("inf"), None, 0
     try:

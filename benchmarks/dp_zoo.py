@@ -20,24 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import device_label, grads_of, pyplot, write_result
+from common import device_label, grads_of, measure_step, pyplot, write_result
 from zoo_models import ZOO, sample
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
-from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import MODES, PerSampleLossError, attach
 
 BATCH = 4
 
 
 def _measured(model: torch.nn.Module, step: Any) -> tuple[int, dict[str, torch.Tensor]]:
-    """Exact peak of a step that starts without gradients (freed before the meter), and its gradients."""
-    model.zero_grad(set_to_none=True)
-    step()  # warm-up
-    model.zero_grad(set_to_none=True)
+    """Exact peak of a step (after a warm-up, without gradients at its start), and its gradients."""
     gc.collect()
-    peak = measure_peak(step).peak_bytes
+    peak = measure_step(model, step, trials=1, count_flops=False).peak_bytes
     return peak, grads_of(model)
 
 

@@ -27,3 +27,12 @@ def clipped_sum(grads: dict[str, Tensor], max_grad_norm: float) -> tuple[dict[st
     norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
     coef = (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     return {n: torch.tensordot(coef, g, dims=1) for n, g in grads.items()}, norms
+
+
+def clipped_at_median(grads: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor, float]:
+    """Opacus' clipping with the threshold at the median per-sample norm, so that some samples are
+    clipped and some not: the clipped sum, the per-sample norms, the threshold."""
+    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    threshold = float(norms.median())
+    expected, _ = clipped_sum(grads, threshold)
+    return expected, norms, threshold

@@ -10,10 +10,11 @@ an error that names the parameter or module. The named tests below pin each defe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from diffusers import PixArtTransformer2DModel
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
-from dp_reference import clipped_sum, per_sample_grads
+from dp_reference import clipped_at_median, clipped_sum, per_sample_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -325,6 +326,22 @@ def _assert_exact(model: nn.Module, engine, expected: dict, norms: torch.Tensor)
         )
 
 
+@contextlib.contextmanager
+def _exact_step(
+    model: nn.Module, mode: str, loss: Callable, batch: dict, expected: dict, norms: torch.Tensor, threshold: float
+) -> Iterator[Any]:
+    """One step of ``loss`` under an engine clipping at ``threshold``, checked against the
+    reference; yields the engine for further checks and detaches it after."""
+    engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
+    try:
+        model.zero_grad(set_to_none=True)
+        engine.backward(loss(model, batch))
+        _assert_exact(model, engine, expected, norms)
+        yield engine
+    finally:
+        engine.detach()
+
+
 def check_model(
     model: nn.Module, batch: dict, mode: str, refused: list[type[Block]], checkpointed: frozenset[int] = frozenset()
 ) -> None:
@@ -345,15 +362,10 @@ def check_model(
             assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
             return
         model.eval()  # no dropout: the reference and the engine must see the same function
-        grads = per_sample_grads(model, _loss, batch)
-        norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-        threshold = float(norms.median())
-        expected, _ = clipped_sum(grads, threshold)
+        expected, norms, threshold = clipped_at_median(per_sample_grads(model, _loss, batch))
         wrappers.ensure(paths)
-        engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
-        model.zero_grad(set_to_none=True)
-        engine.backward(_loss(model, batch))
-        _assert_exact(model, engine, expected, norms)
+        with _exact_step(model, mode, _loss, batch, expected, norms, threshold):
+            pass
     finally:
         if engine is not None:
             engine.detach()
@@ -486,20 +498,11 @@ def test_a_pixart_dit_with_its_adaln_tables_and_learned_positions_is_exact(mode:
         "t": torch.tensor([3, 500, 999]),
         "y": torch.randn(3, 2, 8, 8, generator=generator),
     }
-    grads = per_sample_grads(model, _pixart_loss, batch)
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-    threshold = float(norms.median())
-    expected, _ = clipped_sum(grads, threshold)
-    engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
-    try:
-        model.zero_grad(set_to_none=True)
-        engine.backward(_pixart_loss(model, batch))
-        _assert_exact(model, engine, expected, norms)
+    expected, norms, threshold = clipped_at_median(per_sample_grads(model, _pixart_loss, batch))
+    with _exact_step(model, mode, _pixart_loss, batch, expected, norms, threshold) as engine:
         coverage = engine.coverage()
         assert coverage["scale_shift_table"].startswith("tracked")
         assert coverage["transformer_blocks.0.attn1.to_q.weight"] == "Linear handler"
-    finally:
-        engine.detach()
 
 
 def test_refusals_name_the_parameter_and_what_to_do() -> None:
@@ -581,31 +584,24 @@ def _zoo_reference(name: str) -> tuple[nn.Module, Callable, dict, Any, torch.Ten
 
     if name in _ZOO_REFUSED:
         return case.model, loss, batch, {}, torch.empty(0), 0.0
-    grads = per_sample_grads(case.model, loss, batch)
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-    threshold = float(norms.median())
-    expected, _ = clipped_sum(grads, threshold)
-    return case.model, loss, batch, expected, norms, threshold
+    return case.model, loss, batch, *clipped_at_median(per_sample_grads(case.model, loss, batch))
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_every_zoo_architecture_is_clipped_exactly_or_refused_by_name(name: str, mode: str) -> None:
     """The zoo's diffusers models, each trainable parameter against ``vmap(grad)`` at noise 0."""
-    model, loss, batch, *reference = _zoo_reference(name)
-    engine = attach(model, mode=mode, max_grad_norm=reference[-1] or 1.0, noise_multiplier=0.0)
-    try:
-        model.zero_grad(set_to_none=True)
-        if name in _ZOO_REFUSED:
+    model, loss, batch, expected, norms, threshold = _zoo_reference(name)
+    if name in _ZOO_REFUSED:
+        engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+        try:
             with pytest.raises(PerSampleLossError, match=_ZOO_REFUSED[name]):
                 engine.backward(loss(model, batch))
-            return
-        engine.backward(loss(model, batch))
-        expected, norms, _ = reference
-        _assert_exact(model, engine, expected, norms)
+        finally:
+            engine.detach()
+        return
+    with _exact_step(model, mode, loss, batch, expected, norms, threshold) as engine:
         assert 0 < int((engine.clip_coefficients < 1).sum()) < _ZOO_BATCH  # some clipped, some not
-    finally:
-        engine.detach()
 
 
 @pytest.mark.usefixtures("flop_priced_plans")  # the same plan on every run
@@ -617,16 +613,11 @@ def test_every_zoo_architecture_is_clipped_exactly_under_a_plan(name: str, mode:
     model, loss, batch, expected, norms, threshold = _zoo_reference(name)
     case = ZOO[name].case(batch=_ZOO_BATCH)  # the same call, for the profile
     plan = Plan(model, 0.6, backward_passes=BACKWARD_PASSES[mode])
-    engine = None
     try:
         with torch.enable_grad():
             plan.plan_for(case.args, case.kwargs)
         assert set(plan.current.options.values()) - {Option.KEEP}, "the plan checkpoints something"
-        engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
-        model.zero_grad(set_to_none=True)
-        engine.backward(loss(model, batch))
-        _assert_exact(model, engine, expected, norms)
+        with _exact_step(model, mode, loss, batch, expected, norms, threshold):
+            pass
     finally:
-        if engine is not None:
-            engine.detach()
         plan.remove()

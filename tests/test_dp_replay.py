@@ -15,7 +15,7 @@ import gc
 
 import pytest
 import torch
-from dp_reference import clipped_sum, per_sample_grads
+from dp_reference import clipped_at_median, per_sample_grads
 from torch import nn
 
 from lightning_tbp.memory import measure_peak
@@ -94,9 +94,7 @@ def reruns(monkeypatch: pytest.MonkeyPatch) -> list[list[torch.Tensor]]:
 def test_replayed_blocks_give_the_vmap_clipped_sum(reruns) -> None:
     model, data = make_case()
     grads = per_sample_grads(model, lambda call, b: per_sample_loss(call, b), data)
-    norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-    threshold = float(norms.median())
-    expected, _ = clipped_sum(grads, threshold)
+    expected, norms, threshold = clipped_at_median(grads)
     wrappers = checkpointed(model)
     engine = attach(model, mode="bookkeeping", max_grad_norm=threshold, noise_multiplier=0.0)
     try:
@@ -129,6 +127,21 @@ def _clipped_step(model: nn.Module, data: dict, autocast: bool) -> dict[str, tor
         engine.detach()
 
 
+def _planned_step(model: nn.Module, data: dict, paths: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """``_clipped_step`` with the blocks at ``paths`` checkpointed in full (bookkeeping replays them)."""
+    wrappers = checkpointed(model, paths)
+    try:
+        return _clipped_step(model, data, autocast=False)
+    finally:
+        wrappers.remove()
+
+
+def _assert_same_sums(planned: dict, unplanned: dict, tolerance: float = 1e-5) -> None:
+    for name, grad in unplanned.items():
+        scale = float(grad.abs().max())
+        torch.testing.assert_close(planned[name], grad, rtol=tolerance, atol=tolerance * scale, msg=name)
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_a_replay_runs_under_the_forwards_rng_and_autocast(autocast: bool, reruns) -> None:
     """With dropout and under bf16 autocast, each replay reproduces its block's forward output
@@ -152,10 +165,7 @@ def test_a_replay_runs_under_the_forwards_rng_and_autocast(autocast: bool, rerun
     assert len(reruns) == 3
     for replayed, original in zip(reruns, reversed(forward_outputs), strict=True):  # replays run last block first
         assert torch.equal(replayed[0], original)
-    tolerance = 2e-2 if autocast else 1e-5
-    for name, grad in unplanned.items():
-        scale = float(grad.abs().max())
-        torch.testing.assert_close(planned[name], grad, rtol=tolerance, atol=tolerance * scale, msg=name)
+    _assert_same_sums(planned, unplanned, tolerance=2e-2 if autocast else 1e-5)
 
 
 def _step_peak(model: nn.Module, data: dict, engine) -> int:
@@ -228,14 +238,9 @@ def test_an_output_returned_twice_is_replayed_once_and_a_view_is_booked(view: bo
     model = SkipNet(view)
     data = {"x": torch.randn(6, 8, 16), "y": torch.randn(6, 8, 2)}
     unplanned = _clipped_step(model, data, autocast=False)
-    wrappers = checkpointed(model, ("down",))
-    try:
-        planned = _clipped_step(model, data, autocast=False)
-    finally:
-        wrappers.remove()
+    planned = _planned_step(model, data, ("down",))
     assert len(reruns) == (0 if view else 1)
-    for name, grad in unplanned.items():
-        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+    _assert_same_sums(planned, unplanned)
     engine = attach(model, mode="bookkeeping", max_grad_norm=1.0, noise_multiplier=0.0)
     try:
         trace = record_trace(model, (data["x"],), {})
@@ -279,14 +284,9 @@ def test_an_output_the_block_also_reads_is_replayed_with_the_outside_gradient_on
     model = DownUp()
     data = {"x": torch.randn(6, 8, 16), "y": torch.randn(6, 8, 2)}
     unplanned = _clipped_step(model, data, autocast=False)
-    wrappers = checkpointed(model, ("down",))
-    try:
-        planned = _clipped_step(model, data, autocast=False)
-    finally:
-        wrappers.remove()
+    planned = _planned_step(model, data, ("down",))
     assert len(reruns) == 1
-    for name, grad in unplanned.items():
-        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * float(grad.abs().max()), msg=name)
+    _assert_same_sums(planned, unplanned)
 
 
 def test_a_frozen_block_stays_a_plain_checkpoint(reruns) -> None:
@@ -301,18 +301,12 @@ def test_a_frozen_block_stays_a_plain_checkpoint(reruns) -> None:
     finally:
         engine.detach()
     unplanned = _clipped_step(model, data, autocast=False)
-    wrappers = checkpointed(model)
-    try:
-        planned = _clipped_step(model, data, autocast=False)
-    finally:
-        wrappers.remove()
+    planned = _planned_step(model, data, FULL_BLOCKS)
     assert len(reruns) == 2  # blocks.2 and outer; not the frozen blocks.0
     replayable = {node.path: node.replayable for node in trace.nodes[1:]}
     assert not replayable["blocks.0"] and replayable["blocks.2"] and replayable["outer"]
     assert "blocks.0.up.weight" not in planned
-    for name, grad in unplanned.items():
-        scale = float(grad.abs().max())
-        torch.testing.assert_close(planned[name], grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+    _assert_same_sums(planned, unplanned)
 
 
 def test_an_input_written_in_place_before_its_replay_stops_the_step() -> None:

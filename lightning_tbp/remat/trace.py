@@ -24,6 +24,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -475,11 +476,13 @@ def record_trace(
         trace.event_backward_cost[event] = backward_ns
     repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if measure:
-        wanted = set(block_inputs.choose(trace, repeated)) if block_inputs is not None else set()
-        captured = {sub: path for sub, path in candidates.items() if path in wanted}
-        timing = _time_forward(
-            module, candidates, args, kwargs, inside_call, cuda_devices, captured=captured, block_inputs=block_inputs
-        )
+        keep_inputs = {}
+        if block_inputs is not None:
+            wanted = set(block_inputs.choose(trace, repeated))
+            keep_inputs = {
+                sub: partial(block_inputs.capture, path) for sub, path in candidates.items() if path in wanted
+            }
+        timing = _time_forward(module, candidates, args, kwargs, inside_call, cuda_devices, keep_inputs=keep_inputs)
         _scale_to_framework(trace, *timing)
     device = devices[0] if devices else torch.device("cpu")
     trace.overheads = step_overheads(device) if measure else StepOverheads()
@@ -522,13 +525,12 @@ def _time_forward(
     inside_call: bool,
     cuda_devices: list[int],
     *,
-    captured: dict[nn.Module, str] | None = None,
-    block_inputs: BlockInputCapture | None = None,
+    keep_inputs: dict[nn.Module, Callable[[tuple, dict], None]] | None = None,
 ) -> tuple[float, list[float]]:
     """Best of two real forwards with gradients (one if the first is long), autograd and module
     overhead included, its saved tensors dropped as in the profile so it stays memory-safe:
     nanoseconds of the whole forward, and of each candidate block's call in call order (the
-    trace's node order). The blocks in ``captured`` hand their arguments to ``block_inputs``."""
+    trace's node order). Each block in ``keep_inputs`` hands its arguments to its function."""
 
     def refuse(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp timing graph cannot be backpropagated")
@@ -550,16 +552,13 @@ def _time_forward(
         slot, start = open_calls.pop()
         calls[slot] = float(time.perf_counter_ns() - start)
 
-    def hand_over(path: str) -> Callable[[nn.Module, tuple, dict], None]:
-        def capture(_: nn.Module, block_args: tuple, block_kwargs: dict) -> None:
-            if block_inputs is not None:
-                block_inputs.capture(path, block_args, block_kwargs)
-
-        return capture
-
     # registered first, so the time a block takes to hand its inputs over is outside its call
-    captured = captured or {}
-    handles = [sub.register_forward_pre_hook(hand_over(path), with_kwargs=True) for sub, path in captured.items()]
+    handles = [
+        sub.register_forward_pre_hook(
+            lambda _, block_args, block_kwargs, keep=keep: keep(block_args, block_kwargs), with_kwargs=True
+        )
+        for sub, keep in (keep_inputs or {}).items()
+    ]
     handles += [sub.register_forward_pre_hook(enter) for sub in candidates]
     handles += [sub.register_forward_hook(leave) for sub in candidates]
     best, best_calls, runs = float("inf"), None, 0

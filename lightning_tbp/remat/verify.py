@@ -20,6 +20,7 @@ import torch
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.replay import output_tensors
+from lightning_tbp.remat.signature import batch_size_of
 
 if TYPE_CHECKING:  # a cycle at run time: shape_plan -> simulate -> trace -> loss -> this module
     from lightning_tbp.remat.shape_plan import ShapePlan
@@ -154,12 +155,13 @@ class StepClock:
         self._running: tuple[ShapePlan, int] | None = None
         self._samples: dict[int, tuple[ShapePlan, list[int]]] = {}  # by id(plan); the plan kept alive
 
-    def forward_started(self, shape_plan: ShapePlan | None, batch_size: int | None, device: torch.device) -> None:
-        """The module's forward starts under ``shape_plan``: time the step if the plan still
-        needs timing and the batch is the one it was planned for."""
+    def forward_started(self, shape_plan: ShapePlan | None, args: tuple, kwargs: dict, device: torch.device) -> None:
+        """The module's forward starts under ``shape_plan`` with ``args``, ``kwargs``: time the
+        step if the plan still needs timing and the batch is the one it was planned for (every
+        forward asks, so a timed plan answers before its inputs are looked at)."""
         if shape_plan is None or shape_plan.measured_step_ns is not None or self._running is not None:
             return
-        if batch_size != shape_plan.batch_size:
+        if batch_size_of(args, kwargs) != shape_plan.batch_size:
             return
         _synchronise(device)
         self._running = (shape_plan, time.perf_counter_ns())

@@ -31,7 +31,7 @@ from typing_extensions import override
 from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
-from lightning_tbp.remat.signature import Signature, batch_size_of
+from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.verify import StepClock, describe_step_time
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
 
@@ -164,7 +164,7 @@ class TinyBackpropMixin:
 
     def _forward_started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.plan is not None and torch.is_grad_enabled():
-            self._clock.forward_started(self.plan.current, batch_size_of(args, kwargs), self.root_device)
+            self._clock.forward_started(self.plan.current, args, kwargs, self.root_device)
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part

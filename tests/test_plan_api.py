@@ -279,15 +279,22 @@ def test_planning_in_the_forward_runs_the_module_hooks_once() -> None:
 def test_long_runs_are_timed_once(monkeypatch) -> None:
     """Profiling repeats a timing only where a run is short enough for a hiccup to matter: an
     op (``best_ns``) and the whole real forward (``_time_forward``) at or above their thresholds
-    run once, below them best of two."""
+    run once (for an op, its timed warm-up is that run), below them best of two."""
     from lightning_tbp.remat import calibrate, trace
 
+    cpu = torch.device("cpu")
     runs: list[int] = []
-    assert calibrate.best_ns(lambda: runs.append(1), torch.device("cpu"), warm_up=False) >= 0
+    assert calibrate.best_ns(lambda: runs.append(1), cpu, warm_up_ns=0) >= 0
     assert len(runs) == 2
+    runs.clear()
+    calibrate.best_ns(lambda: runs.append(1), cpu)  # its own warm-up, then best of two
+    assert len(runs) == 3
+    runs.clear()  # a warm-up as long as the threshold is the time
+    assert calibrate.best_ns(lambda: runs.append(1), cpu, warm_up_ns=calibrate.SINGLE_RUN_NS) == calibrate.SINGLE_RUN_NS
+    assert runs == []
     monkeypatch.setattr(calibrate, "SINGLE_RUN_NS", 0)
     runs.clear()
-    calibrate.best_ns(lambda: runs.append(1), torch.device("cpu"), warm_up=False)
+    calibrate.best_ns(lambda: runs.append(1), cpu)
     assert len(runs) == 1
 
     model = mlp_chain(4, 16)
@@ -301,3 +308,22 @@ def test_long_runs_are_timed_once(monkeypatch) -> None:
     forwards.clear()
     _, per_block = trace._time_forward(model, candidates, args, {}, False, [])
     assert len(forwards) == 1 and len(per_block) == len(candidates) and all(t > 0 for t in per_block)
+
+
+@pytest.mark.parametrize(("fill_ns", "rounds"), [(0, 3), (10**15, 12)])
+def test_block_calibration_rounds_fill_their_time(monkeypatch, fill_ns: int, rounds: int) -> None:
+    """A calibrated block runs its options in at least the fewest interleaved rounds, and in
+    more, up to the most, while its rounds have not yet taken ``ROUNDS_FILL_NS``: one warm-up
+    step, then per round a plain step and one per option."""
+    from lightning_tbp.remat import calibrate_blocks
+    from lightning_tbp.remat.simulate import Option
+
+    monkeypatch.setattr(calibrate_blocks, "ROUNDS_FILL_NS", fill_ns)
+    assert calibrate_blocks.ROUNDS == (3, 12)
+    model = mlp_chain(4, 16)
+    steps: list[int] = []
+    model[1].register_forward_hook(lambda *_: steps.append(1))
+    options = (Option.FULL, Option.SELECTIVE)
+    extra = calibrate_blocks._time_block(model, "1", ((torch.randn(8, 16),), {}), options, cache_limit=0)
+    assert set(extra) == set(options) and all(t >= 0 for t in extra.values())
+    assert len(steps) == 1 + rounds * (1 + len(options))

@@ -38,12 +38,13 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
-from lightning_tbp.memory.meters import garbage_collection_held, measure_peak, profiler_active
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
 from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
 from lightning_tbp.remat.calibrate import TensorSpec, best_ns
+from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import (
     BackwardPass,
@@ -215,12 +216,16 @@ class DPEngine:
         def clipped_sum() -> None:
             grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef))
 
+        device = grad_output.device
         with torch.no_grad(), garbage_collection_held(collect=False):
-            norm, summed = measure_peak(norms), measure_peak(clipped_sum)  # (also the warm-up of the timings)
+            with allocator_peak(device) as norm:  # (also the timings' warm-up)
+                norm_first_ns = timed_ns(norms, device)
+            with allocator_peak(device) as summed:
+                sum_first_ns = timed_ns(clipped_sum, device)
             sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
             grads.clear()
-            device = grad_output.device
-            norm_ns, sum_ns = (best_ns(run, device, warm_up=False) for run in (norms, clipped_sum))
+            norm_ns = best_ns(norms, device, warm_up_ns=norm_first_ns)
+            sum_ns = best_ns(clipped_sum, device, warm_up_ns=sum_first_ns)
         return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
 
     def step_model(self) -> StepModel:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_tbp.compat import op_schema, tree_flatten, tree_map
-from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, measure_peak, profiler_active
+from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
 from lightning_tbp.remat.overheads import timed_ns
 
 
@@ -186,12 +186,17 @@ def _is_communication(func: Any) -> bool:
 _COMMUNICATION_NAMESPACES = frozenset({"c10d", "_c10d_functional", "_c10d_functional_autograd", "fsdp"})
 
 
-def best_ns(run: Callable[[], object], device: torch.device, warm_up: bool = True) -> float:
-    """Best-of-``_TIMING_RUNS`` nanoseconds of ``run()``, after a warm-up run (allocator, kernel
-    selection) unless the caller already ran it; a run of ``SINGLE_RUN_NS`` or more is not
-    repeated (see there)."""
-    if warm_up:
-        run()
+def best_ns(run: Callable[[], object], device: torch.device, warm_up_ns: float | None = None) -> float:
+    """Nanoseconds of ``run()``: best of ``_TIMING_RUNS`` runs after a warm-up run (allocator,
+    kernel selection). ``warm_up_ns``: the caller already made the warm-up run, which took that
+    long; otherwise it is made and timed here. A run of ``SINGLE_RUN_NS`` or more is not repeated
+    (see there), and a warm-up that long is the time: on an SD-1.5 U-Net's long ops a first run
+    took what the next ones did, within their own spread, and repeating each of them once was a
+    third of its profile."""
+    if warm_up_ns is None:
+        warm_up_ns = timed_ns(run, device)
+    if warm_up_ns >= SINGLE_RUN_NS:
+        return float(warm_up_ns)
     best = timed_ns(run, device)
     for _ in range(_TIMING_RUNS - 1):
         if best >= SINGLE_RUN_NS:
@@ -207,7 +212,8 @@ def _measure_op(
     gradients at the output tensors ``differentiated`` flags, in order) and workspace (if
     ``metered``: the forward's peak beyond its outputs, the backward's beyond the gradients it
     returns). The first forward and backward, metered or not, warm the kernels up for the timed
-    runs. Zeros where the op cannot run alone."""
+    runs and are timed themselves (a long one is not repeated, ``best_ns``). Zeros where the op
+    cannot run alone."""
     specs = [x for x in tree_flatten((spec_args, spec_kwargs))[0] if isinstance(x, TensorSpec)]
     device = specs[0].device if specs else torch.device("cpu")
     metered = metered and any(x.needs_grad for x in specs) and device.type in ("cpu", "cuda")
@@ -220,13 +226,15 @@ def _measure_op(
     forward_ns = backward_ns = 0.0
     forward_workspace = backward_workspace = 0
     try:
+        returned: list[object] = []
         with torch.enable_grad(), allocator_peak(device) if metered else contextlib.nullcontext() as forward:
-            results = tree_flatten([func(*args, **kwargs)])[0]
+            first_ns = timed_ns(lambda: returned.append(func(*args, **kwargs)), device)
+        results = tree_flatten(returned)[0]
         if metered:
             forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
         if timed:
             with torch.no_grad():
-                forward_ns = best_ns(lambda: func(*args, **kwargs), device, warm_up=False)
+                forward_ns = best_ns(lambda: func(*args, **kwargs), device, warm_up_ns=first_ns)
         tensors = [o for o in results if isinstance(o, torch.Tensor)]
         flags = differentiated + (True,) * (len(tensors) - len(differentiated))  # a data-dependent count: all
         outs = [o for o, flag in zip(tensors, flags, strict=False) if flag and o.requires_grad]
@@ -237,11 +245,14 @@ def _measure_op(
             torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
 
         grads = [_random_like(o) for o in outs]
+        first_ns = None
         if metered:
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
-            backward_workspace = max(0, measure_peak(backward, device).peak_bytes - grad_bytes)
+            with allocator_peak(device) as reading:
+                first_ns = timed_ns(backward, device)
+            backward_workspace = max(0, reading.peak_bytes - grad_bytes)
         if timed:
-            backward_ns = best_ns(backward, device, warm_up=not metered)
+            backward_ns = best_ns(backward, device, warm_up_ns=first_ns)
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
         return forward_ns, backward_ns, forward_workspace, backward_workspace
     return forward_ns, backward_ns, forward_workspace, backward_workspace

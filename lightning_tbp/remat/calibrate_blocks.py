@@ -12,6 +12,7 @@ memory-safe as the profile; parameter gradients go through ``autograd.grad``, ne
 from __future__ import annotations
 
 import statistics
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -25,8 +26,15 @@ from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.trace import Trace, frozen_buffers
 
-#: Block classes calibrated (the commonest first) and interleaved rounds per block.
-CLASSES, ROUNDS = 2, 3
+#: Block classes calibrated (the commonest first).
+CLASSES = 2
+#: Interleaved rounds per block: at least the fewest, and more, up to the most, while the block's
+#: rounds have taken less than ``ROUNDS_FILL_NS``. An option's extra time is the difference of two
+#: noisy step times: on a small Flux (block steps of a few milliseconds) three rounds gave the
+#: full-checkpoint scale anywhere in 1.30-1.63 over six profiles, twelve in 1.42-1.57; the blocks
+#: of a large model, whose steps are long and steady, stay at three.
+ROUNDS = (3, 12)
+ROUNDS_FILL_NS = 100_000_000
 #: Scales are clipped to this range: a wild measurement must not flip every decision.
 SCALE_RANGE = (0.5, 8.0)
 
@@ -143,10 +151,13 @@ def _time_block(
         with frozen_buffers(module), torch.random.fork_rng():
             table[path] = Option.KEEP  # warm-up (kernels, allocator); an option's first-call
             step()  # cost, if any, is one of its samples and the median drops it
-            for _ in range(ROUNDS):
+            fewest, most = ROUNDS
+            start, rounds = time.perf_counter_ns(), 0
+            while rounds < fewest or (rounds < most and time.perf_counter_ns() - start < ROUNDS_FILL_NS):
                 for option, spent in samples.items():
                     table[path] = option
                     spent.append(timed_ns(step, device))
+                rounds += 1
     finally:
         wrappers.remove()
     plain = statistics.median(samples.pop(Option.KEEP))

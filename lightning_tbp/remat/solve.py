@@ -8,7 +8,8 @@ from the replay itself:
 2. For every legal move (keep->selective, keep->full, selective->full) estimate the bytes it frees
    *at that instant* and its extra recomputation cost; rank by bytes per cost.
 3. Replay the best few candidates exactly and apply the one with the best real peak reduction per
-   cost. Repeat until the peak fits the budget.
+   cost (on a plateau, where none of them lowers the peak, a few more are tried first). Repeat
+   until the peak fits the budget.
 4. Prune: undo or soften moves (most expensive first) that the final plan does not need.
 5. Refine the winner: split a coarse decision into the same option on its child blocks, prune
    again, keep it if cheaper (pruning alone cannot make a whole-stage decision finer).
@@ -32,11 +33,15 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Set
 from dataclasses import dataclass
 
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
 
 _EXACT_CANDIDATES = 4
+#: When none of the first candidates lowers the peak (it sits on a plateau: several instants at
+#: the same height), this many are replayed before the best of them is taken anyway.
+_EXACT_CANDIDATES_ON_A_PLATEAU = 16
 _MAX_STALLED_MOVES = 3
 #: Options that keep a block's subtree plain and must not sit under a checkpoint.
 _SOFT = (Option.SELECTIVE, Option.LAZY)
@@ -227,14 +232,19 @@ class Solver:
     ) -> tuple[list[Option], SimResult]:
         """Apply the best move at the peak until the plan fits (or no move helps any more).
 
-        ``cost_blind`` ranks moves by bytes alone (the search for the lowest reachable peak)."""
+        A descent does not return to a plan it has been at: on a plateau of the peak a move and
+        its reverse (a block lazy, then full, then lazy) would otherwise take turns until the
+        stall limit. ``cost_blind`` ranks moves by bytes alone (the search for the lowest
+        reachable peak)."""
         best = (result.peak_bytes, options, result)
         stalled = 0
+        visited = {tuple(options)}
         while result.peak_bytes > target_bytes and stalled < _MAX_STALLED_MOVES:
-            move = self.best_move(options, result, target_bytes, cost_blind)
+            move = self.best_move(options, result, target_bytes, cost_blind, visited)
             if move is None:
                 break
             options, result = move
+            visited.add(tuple(options))
             stalled = stalled + 1 if result.peak_bytes >= best[0] else 0
             if result.peak_bytes < best[0]:
                 best = (result.peak_bytes, options, result)
@@ -375,7 +385,12 @@ class Solver:
         return new
 
     def best_move(
-        self, options: list[Option], result: SimResult, target_bytes: int, cost_blind: bool = False
+        self,
+        options: list[Option],
+        result: SimResult,
+        target_bytes: int,
+        cost_blind: bool = False,
+        visited: Set[tuple[Option, ...]] = frozenset(),
     ) -> tuple[list[Option], SimResult] | None:
         snapshot = self.snapshot(options, result.peak_step)
         freed_full, lca = self._releasable_bytes(snapshot)
@@ -397,8 +412,12 @@ class Solver:
             if batched is not None:
                 return batched
         best = None
-        for _, index, option, _ in scored[:_EXACT_CANDIDATES]:
+        for rank, (_, index, option, _) in enumerate(scored):
+            if rank >= _EXACT_CANDIDATES and (best is None or best[0][0] or rank >= _EXACT_CANDIDATES_ON_A_PLATEAU):
+                break
             candidate = self.apply(options, index, option)
+            if tuple(candidate) in visited:  # back to where the descent was: it would cycle
+                continue
             if best is not None and best[0][0]:  # once one lowers the peak, only those that do compete
                 trial = self.replay_within(candidate, result.peak_bytes - 1)
                 if trial is None:

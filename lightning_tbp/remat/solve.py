@@ -12,7 +12,8 @@ from the replay itself:
    until the peak fits the budget.
 4. Prune: undo or soften moves (most expensive first) that the final plan does not need.
 5. Refine the winner: split a coarse decision into the same option on its child blocks, prune
-   again, keep it if cheaper (pruning alone cannot make a whole-stage decision finer).
+   again, keep it if cheaper (pruning alone cannot make a whole-stage decision finer); then
+   trade each planned block's option for the cheapest one that still fits.
 
 Greedy descent is path dependent, so a small portfolio competes: the greedy path from the plain
 model recorded at a few slightly tighter targets, and a start from a Lagrangian tree knapsack
@@ -172,6 +173,7 @@ class Solver:
         cheapest = sorted(unique, key=lambda c: c[1].recompute_cost)[:keep]
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = self.refine(*min(pruned, key=lambda c: c[1].recompute_cost), target_bytes)
+        options, result = self.trade(options, result, target_bytes)
         return Solution(options, result, naive, time.perf_counter() - start, self.replays)
 
     def lowest(self, target_bytes: int) -> tuple[list[Option], SimResult]:
@@ -552,6 +554,36 @@ class Solver:
             pruned = self.prune(candidate, trial, budget_bytes)
             if pruned[1].recompute_cost < result.recompute_cost:
                 options, result = pruned
+        return options, result
+
+    def trade(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
+        """Give each planned block, most expensive first, the cheapest option that still fits.
+
+        Pruning only undoes a move or softens a full checkpoint, but which option costs least
+        depends on the block once calibrated: a full checkpoint can cost less than a selective
+        one. Run on the winner only, so it can only make the plan cheaper (on saved traces of
+        the zoo at 0.3-0.8 of naive and at their floors, 14 of 69 plans 0.2-8.9% cheaper)."""
+        improved, passes = True, 1 if self.large else _MAX_PRUNE_PASSES
+        while improved and passes > 0:
+            improved, passes = False, passes - 1
+            planned = sorted(
+                (i for i, o in enumerate(options) if o != Option.KEEP), key=lambda i: self.subtree_cost[i], reverse=True
+            )
+            for index in planned:
+                others = [Option.KEEP, Option.FULL]
+                if not any(options[a] != Option.KEEP for a in self.ancestors[index]):
+                    others += [option for option in _SOFT if option in self.options]
+                best = (options, result)
+                for option in others:
+                    candidate = list(options)
+                    candidate[index] = option
+                    if option == options[index] or (option in _SOFT and self.subtree_planned(index, candidate)):
+                        continue
+                    trial = self.replay_within(candidate, budget_bytes)
+                    if trial is not None and trial.recompute_cost < best[1].recompute_cost:
+                        best = (candidate, trial)
+                if best[0] is not options:
+                    (options, result), improved = best, True
         return options, result
 
     def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:

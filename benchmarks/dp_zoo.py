@@ -53,7 +53,7 @@ def run(name: str, mode: str) -> dict[str, Any]:
     engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
 
     def step() -> None:
-        engine._probed.clear()  # every measured step probes, as the step a plan is made for does
+        engine.probe_next_step()  # every measured step probes, as the step a plan is made for does
         out = sample(model(*case.args, **case.kwargs))
         engine.backward((out.float() - case.target).square().flatten(1).mean(dim=1))
 

@@ -545,6 +545,32 @@ def test_the_probe_catches_a_batch_sized_dimension_that_is_not_the_batch() -> No
     engine.detach()
 
 
+def test_probe_next_step_checks_coverage_again_on_a_graph_already_probed() -> None:
+    """The probe runs on the first step of each graph structure; a later step of the same
+    structure is not probed, even if its values now mix samples (here a scale that was 0 turns
+    1), unless ``probe_next_step`` asks for it, as the meters of the first step's peak do."""
+
+    class LaterMixer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first, self.second, self.mix = nn.Linear(4, 4), nn.Linear(4, 4), 0.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hidden = self.first(x)
+            return self.second(hidden + self.mix * hidden.roll(1, 0))
+
+    torch.manual_seed(0)
+    model, x = LaterMixer(), torch.randn(3, 4)
+    engine = attach(model, mode="bookkeeping", noise_multiplier=0.0)
+    engine.backward(model(x).square().mean(1))  # probed: nothing mixes yet
+    model.mix = 1.0
+    engine.backward(model(x).square().mean(1))  # the same structure: not probed again
+    engine.probe_next_step()
+    with pytest.raises(CoverageError, match=r"module 'first' \(Linear\): rows of other samples"):
+        engine.backward(model(x).square().mean(1))
+    engine.detach()
+
+
 def test_detach_restores_plain_parameter_tables_and_attribute_reads_act_on_parameters() -> None:
     model = Composed([AdaLNTable, LinearBlock])
     tables = {name: type(m._parameters) for name, m in model.named_modules()}

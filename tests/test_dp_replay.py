@@ -170,7 +170,7 @@ def test_a_replay_runs_under_the_forwards_rng_and_autocast(autocast: bool, rerun
 
 def _step_peak(model: nn.Module, data: dict, engine) -> int:
     def step() -> None:
-        engine._probed.clear()  # every measured step probes, as the first one does
+        engine.probe_next_step()  # every measured step probes, as the first one does
         engine.backward(per_sample_loss(model, data))
 
     step()

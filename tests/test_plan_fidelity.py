@@ -78,7 +78,7 @@ def test_plans_made_with_an_engine_attached_simulate_the_dp_step(name: str, mode
         return (out.float() - case.target).square().flatten(1).mean(dim=1)
 
     def step() -> None:
-        engine._probed.clear()  # every measured step probes, as the step a plan is made for does
+        engine.probe_next_step()  # every measured step probes, as the step a plan is made for does
         engine.backward(per_sample_loss())
 
     plan = None

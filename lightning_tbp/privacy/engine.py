@@ -281,6 +281,15 @@ class DPEngine:
         """The most backward passes one forward's graph sees; give it to ``Plan(backward_passes=...)``."""
         return BACKWARD_PASSES[self.mode]
 
+    def probe_next_step(self) -> None:
+        """Make the next ``backward`` check coverage again, as the first one of each graph did.
+
+        The first step of each graph structure backpropagates sample 0 alone first (the
+        coverage probe), and its graph stays retained meanwhile: that step's peak is the one a
+        plan made with this engine attached is for. A meter that must see that peak again,
+        step after step (benchmarks, memory tests), calls this before each step."""
+        self._probed.clear()
+
     def backward(self, loss: Tensor, add_noise: bool = True) -> None:
         """Clip per sample and sum into ``.grad``; then add noise unless ``add_noise=False``.
 

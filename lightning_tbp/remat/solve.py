@@ -415,8 +415,9 @@ class Solver:
                 return batched
         best = None
         for rank, (_, index, option, _) in enumerate(scored):
-            if rank >= _EXACT_CANDIDATES and (best is None or best[0][0] or rank >= _EXACT_CANDIDATES_ON_A_PLATEAU):
-                break
+            lowered = best is not None and best[0][0]
+            if rank >= _EXACT_CANDIDATES_ON_A_PLATEAU or (rank >= _EXACT_CANDIDATES and lowered):
+                break  # past the first few, only while none has lowered the peak (or all were visited)
             candidate = self.apply(options, index, option)
             if tuple(candidate) in visited:  # back to where the descent was: it would cycle
                 continue

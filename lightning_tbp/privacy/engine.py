@@ -38,13 +38,12 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
-from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
+from lightning_tbp.memory.meters import garbage_collection_held, profiler_active
 from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
-from lightning_tbp.remat.calibrate import TensorSpec, best_ns
-from lightning_tbp.remat.overheads import timed_ns
+from lightning_tbp.remat.calibrate import TensorSpec, best_ns, first_run
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.step import (
     BackwardPass,
@@ -218,10 +217,8 @@ class DPEngine:
 
         device = grad_output.device
         with torch.no_grad(), garbage_collection_held(collect=False):
-            with allocator_peak(device) as norm:  # (also the timings' warm-up)
-                norm_first_ns = timed_ns(norms, device)
-            with allocator_peak(device) as summed:
-                sum_first_ns = timed_ns(clipped_sum, device)
+            norm_first_ns, norm = first_run(norms, device)  # (also the timings' warm-up)
+            sum_first_ns, summed = first_run(clipped_sum, device)
             sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
             grads.clear()
             norm_ns = best_ns(norms, device, warm_up_ns=norm_first_ns)

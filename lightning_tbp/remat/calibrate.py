@@ -20,7 +20,6 @@ keeps this memory-safe.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Any
 import torch
 
 from lightning_tbp.compat import op_schema, tree_flatten, tree_map
-from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held, profiler_active
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, garbage_collection_held, profiler_active
 from lightning_tbp.remat.overheads import timed_ns
 
 
@@ -205,6 +204,18 @@ def best_ns(run: Callable[[], object], device: torch.device, warm_up_ns: float |
     return float(best)
 
 
+def first_run(
+    run: Callable[[], object], device: torch.device, metered: bool = True
+) -> tuple[float, AllocatorPeak | None]:
+    """Run once, timed (the warm-up whose time ``best_ns`` keeps when it is long) and, if
+    ``metered``, under the exact allocator meter (whose reading is returned, else None)."""
+    if not metered:
+        return float(timed_ns(run, device)), None
+    with allocator_peak(device) as reading:
+        elapsed = timed_ns(run, device)
+    return float(elapsed), reading
+
+
 def _measure_op(
     func: Any, spec_args: tuple, spec_kwargs: dict, differentiated: tuple[bool, ...], *, timed: bool, metered: bool
 ) -> tuple[float, float, int, int]:
@@ -227,10 +238,10 @@ def _measure_op(
     forward_workspace = backward_workspace = 0
     try:
         returned: list[object] = []
-        with torch.enable_grad(), allocator_peak(device) if metered else contextlib.nullcontext() as forward:
-            first_ns = timed_ns(lambda: returned.append(func(*args, **kwargs)), device)
+        with torch.enable_grad():
+            first_ns, forward = first_run(lambda: returned.append(func(*args, **kwargs)), device, metered)
         results = tree_flatten(returned)[0]
-        if metered:
+        if forward is not None:
             forward_workspace = max(0, forward.peak_bytes - forward.net_bytes)
         if timed:
             with torch.no_grad():
@@ -248,8 +259,7 @@ def _measure_op(
         first_ns = None
         if metered:
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
-            with allocator_peak(device) as reading:
-                first_ns = timed_ns(backward, device)
+            first_ns, reading = first_run(backward, device)
             backward_workspace = max(0, reading.peak_bytes - grad_bytes)
         if timed:
             backward_ns = best_ns(backward, device, warm_up_ns=first_ns)

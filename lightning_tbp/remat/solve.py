@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Set
+from collections.abc import Callable, Set
 from dataclasses import dataclass
 
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
@@ -358,7 +358,7 @@ class Solver:
             i = node.index
             if not node.has_events:
                 continue
-            checkpointed_above = any(options[a] != Option.KEEP for a in self.ancestors[i])
+            checkpointed_above = not self._outermost(i, options)
             if any(options[a] in _SOFT for a in self.ancestors[i]):
                 continue  # a selective or lazy block keeps its subtree plain (see the module doc)
             plain_below = not self.subtree_planned(i, options)
@@ -533,11 +533,7 @@ class Solver:
         by one; kept if the pruned plan costs less. (A greedy path that took a whole decoder lazy
         early ends there, 2.5x the cost of the plan other paths find.)"""
         coarse = sorted(
-            (
-                i
-                for i, o in enumerate(options)
-                if o in (Option.FULL, Option.LAZY) and not any(options[a] != Option.KEEP for a in self.ancestors[i])
-            ),
+            (i for i, o in enumerate(options) if o in (Option.FULL, Option.LAZY) and self._outermost(i, options)),
             key=lambda i: self.subtree_cost[i],
             reverse=True,
         )
@@ -564,6 +560,36 @@ class Solver:
         depends on the block once calibrated: a full checkpoint can cost less than a selective
         one. Run on the winner only, so it can only make the plan cheaper (on saved traces of
         the zoo at 0.3-0.8 of naive and at their floors, 14 of 69 plans 0.2-8.9% cheaper)."""
+
+        def others(index: int, options: list[Option]) -> list[Option]:
+            choices = [Option.KEEP, Option.FULL]
+            if self._outermost(index, options):
+                choices += [option for option in _SOFT if option in self.options]
+            return [option for option in choices if option != options[index]]
+
+        return self._sweep(options, result, budget_bytes, others, cheapest=True)
+
+    def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
+        """Undo or soften moves the plan does not need, most expensive first."""
+
+        def softer(index: int, options: list[Option]) -> list[Option]:
+            if options[index] == Option.FULL and self._outermost(index, options):
+                return [Option.KEEP, *(option for option in _SOFT if option in self.options)]
+            return [Option.KEEP]
+
+        return self._sweep(options, result, budget_bytes, softer, cheapest=False)
+
+    def _sweep(
+        self,
+        options: list[Option],
+        result: SimResult,
+        budget_bytes: int,
+        alternatives: Callable[[int, list[Option]], list[Option]],
+        cheapest: bool,
+    ) -> tuple[list[Option], SimResult]:
+        """Visit the planned blocks, most expensive first, and give each the first (or, with
+        ``cheapest``, the cheapest) of its ``alternatives`` that fits and costs less; repeat
+        while that changes the plan (one pass on large models)."""
         improved, passes = True, 1 if self.large else _MAX_PRUNE_PASSES
         while improved and passes > 0:
             improved, passes = False, passes - 1
@@ -571,45 +597,20 @@ class Solver:
                 (i for i, o in enumerate(options) if o != Option.KEEP), key=lambda i: self.subtree_cost[i], reverse=True
             )
             for index in planned:
-                others = [Option.KEEP, Option.FULL]
-                if not any(options[a] != Option.KEEP for a in self.ancestors[index]):
-                    others += [option for option in _SOFT if option in self.options]
-                best = (options, result)
-                for option in others:
-                    candidate = list(options)
-                    candidate[index] = option
-                    if option == options[index] or (option in _SOFT and self.subtree_planned(index, candidate)):
-                        continue
-                    trial = self.replay_within(candidate, budget_bytes)
-                    if trial is not None and trial.recompute_cost < best[1].recompute_cost:
-                        best = (candidate, trial)
-                if best[0] is not options:
-                    (options, result), improved = best, True
-        return options, result
-
-    def prune(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
-        """Undo or soften moves the plan does not need, most expensive first."""
-        improved = True
-        passes = 1 if self.large else _MAX_PRUNE_PASSES
-        while improved and passes > 0:
-            improved, passes = False, passes - 1
-            planned = sorted(
-                (i for i, o in enumerate(options) if o != Option.KEEP),
-                key=lambda i: self.subtree_cost[i],
-                reverse=True,
-            )
-            for index in planned:
-                softer = [Option.KEEP]
-                outermost = not any(options[a] != Option.KEEP for a in self.ancestors[index])
-                if options[index] == Option.FULL and outermost:
-                    softer += [option for option in _SOFT if option in self.options]
-                for option in softer:
+                found: tuple[list[Option], SimResult] | None = None
+                for option in alternatives(index, options):
                     candidate = list(options)
                     candidate[index] = option
                     if option in _SOFT and self.subtree_planned(index, candidate):
                         continue
                     trial = self.replay_within(candidate, budget_bytes)
-                    if trial is not None and trial.recompute_cost < result.recompute_cost:
-                        options, result, improved = candidate, trial, True
-                        break
+                    if trial is not None and trial.recompute_cost < (found or (options, result))[1].recompute_cost:
+                        found = (candidate, trial)
+                        if not cheapest:
+                            break
+                if found is not None:
+                    (options, result), improved = found, True
         return options, result
+
+    def _outermost(self, index: int, options: list[Option]) -> bool:
+        return not any(options[a] != Option.KEEP for a in self.ancestors[index])

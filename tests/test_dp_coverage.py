@@ -257,6 +257,38 @@ class SequenceFirst(Block):
         return self.lin(h.transpose(0, 1)).transpose(0, 1)  # dim 0 is the sequence here
 
 
+class FoldedFrames(Block):
+    """Each sample's positions folded into the batch, sample-major (as a video model folds its
+    frames before a per-frame layer): a Linear and a LayerNorm on [B·T, D], a convolution on
+    [B·2, D, 1, T/2], a raw scale on [B·T, D]; each sample's gradient is the sum over its rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = nn.Linear(D, D), nn.LayerNorm(D)
+        self.conv = nn.Conv2d(D, D, (1, 3), padding=(0, 1))
+        self.scale = nn.Parameter(torch.randn(D))
+
+    def forward(self, h, labels):
+        rows = self.norm(self.lin(h.reshape(-1, D))) * self.scale
+        frames = h.reshape(h.shape[0] * 2, T // 2, D).transpose(1, 2)[:, :, None]
+        frames = self.conv(frames)[:, :, 0].transpose(1, 2).reshape(h.shape)
+        return torch.tanh(rows.reshape(h.shape) + frames)
+
+
+class FramesFirst(Block):
+    """Positions folded into the batch position-major ([T, B] order): rows of one sample are
+    not contiguous, and the probe must refuse it."""
+
+    refused, names = True, "lin"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h, labels):
+        return self.lin(h.transpose(0, 1).reshape(-1, D)).reshape(T, -1, D).transpose(0, 1)
+
+
 class _Double(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w):
@@ -283,7 +315,7 @@ class CustomFunction(Block):
 BLOCKS = [
     LinearBlock, PooledLinear, NormsEveryRank, ConvBlock, DiffusersNorm, EmbeddingTied, ParentUsesChild,
     CalledTwice, AdaLNTable, EinsumWeight, Frozen, WeightNormNew, WeightNormOld, NoHandlerSubclass, Attention,
-    SpectralNorm, BatchNorm, SequenceFirst, CustomFunction,
+    SpectralNorm, BatchNorm, SequenceFirst, CustomFunction, FoldedFrames, FramesFirst,
 ]  # fmt: skip
 
 
@@ -588,9 +620,9 @@ def test_detach_restores_plain_parameter_tables_and_attribute_reads_act_on_param
 # -- the diffusers zoo: every architecture the planner is checked on, under DP ------------------
 
 _ZOO_BATCH = 3
-#: Architectures the engine refuses, and what the refusal must name. CogVideoX folds its frames
-#: into the batch before the patch embedding's convolution (rows are sample-frames there).
-_ZOO_REFUSED = {"cogvideox": "patch_embed.proj"}
+#: Architectures the engine refuses, and what the refusal must name (none now: CogVideoX, which
+#: folds its frames into the batch before the patch embedding's convolution, is clipped exactly).
+_ZOO_REFUSED: dict[str, str] = {}
 
 
 @functools.cache

@@ -16,7 +16,10 @@ list of known layers:
 - At the first backward of each graph structure the engine probes one sample's loss alone: every
   clipped path must then see a zero output gradient on every other sample's row. That is the
   per-sample independence all clipping relies on; batch statistics, a sequence-first layout or a
-  batch-sized dimension that is not the batch all fail it, with the module or op named.
+  batch-sized dimension that is not the batch all fail it, with the module or op named. A layer
+  whose dim 0 is a multiple of the batch (a video model's frames folded into it) passes when
+  sample 0's rows are the first block of rows and no other row gets its gradient: each sample's
+  gradient is then the sum over its block of rows (``rows_per_sample``).
 """
 
 from __future__ import annotations
@@ -185,14 +188,32 @@ def check_batch_norms(found: Survey) -> None:
         )
 
 
+def rows_per_sample(grad: Tensor, batch: int) -> int | None:
+    """How many rows of dim 0 each sample owns: 1 where dim 0 is the batch, ``k`` where the model
+    folded ``k`` rows of each sample into it (a video model's frames before a per-frame layer),
+    None where dim 0 is no multiple of the batch. A fold is sample-major (sample ``i`` owns rows
+    ``i·k … i·k+k-1``, as ``reshape`` of a ``[batch, k, ...]`` tensor lays them): the probe checks it."""
+    if grad.dim() == 0 or grad.shape[0] == 0 or grad.shape[0] % batch:
+        return None
+    return grad.shape[0] // batch
+
+
 def row_violation(grad: Tensor, batch: int, probed: int) -> str | None:
     """Why ``grad`` (an output gradient while only sample ``probed``'s loss is backpropagated)
-    shows that its dim 0 is not the batch, or None when it is consistent with it."""
-    if grad.dim() == 0 or grad.shape[0] != batch:
-        return f"its gradient has shape {tuple(grad.shape)}, not [batch={batch}, ...]"
+    shows that its dim 0 is not the batch (or the batch folded sample-major with other rows),
+    or None when it is consistent with it."""
+    rows = rows_per_sample(grad, batch)
+    if rows is None:
+        return f"its gradient has shape {tuple(grad.shape)}, not [batch={batch}, ...] or a multiple of it"
     if isinstance(grad, FakeTensor):  # ``tbp estimate`` runs the step without values: shapes only
         return None
-    others = torch.cat([grad[:probed], grad[probed + 1 :]])
+    others = torch.cat([grad[: probed * rows], grad[(probed + 1) * rows :]])
     if bool((others != 0).any()):
+        if rows > 1:
+            return (
+                f"rows of other samples receive gradient from one sample's loss (dim 0 holds {rows} rows per "
+                "sample, which must be grouped by sample: reshape a [batch, frames, ...] tensor, not "
+                "[frames, batch, ...])"
+            )
         return "rows of other samples receive gradient from one sample's loss"
     return None

@@ -39,7 +39,7 @@ from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
 from lightning_tbp.memory.meters import garbage_collection_held, profiler_active
-from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, survey, survey_graph
+from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, rows_per_sample, survey, survey_graph
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
@@ -351,7 +351,8 @@ class DPEngine:
         if self._violations:
             raise CoverageError(
                 "per-sample clipping needs each sample's loss to depend on its own rows only (dim 0 of every "
-                "trainable layer's input and of every op using a parameter is the batch), but backpropagating "
+                "trainable layer's input and of every op using a parameter is the batch, or the batch with each "
+                "sample's rows folded in, sample by sample), but backpropagating "
                 "sample 0's loss alone:\n"
                 + "\n".join(f"  {v}" for v in dict.fromkeys(self._violations))
                 + "\nCauses: statistics over the batch, a sequence-first layout (batch_first=False), or a "
@@ -401,11 +402,12 @@ class DPEngine:
 
     def _check_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:
         for grad in grads:
-            if grad.dim() == 0 or grad.shape[0] != self._batch:
+            if rows_per_sample(grad, self._batch) is None:
                 raise PerSampleLossError(
                     f"{where} got a batch of {grad.shape[0] if grad.dim() else 'none'} (gradient shape "
                     f"{tuple(grad.shape)}) but the loss has {self._batch} entries: the loss must hold one value "
-                    "per sample, and dim 0 of what a trainable parameter meets must be the batch"
+                    "per sample, and dim 0 of what a trainable parameter meets must be the batch (or the batch "
+                    "with each sample's rows folded into it, as a video model folds frames)"
                 )
 
     def _receive(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, replayed: bool) -> None:
@@ -418,12 +420,13 @@ class DPEngine:
             self._probe_rows(f"module {slot.name!r} ({type(slot.module).__name__})", (grad_output,))
             return
         if self._phase == "sum":
-            ones = torch.ones_like(self._norm_sq)
+            ones = grad_output.new_ones(grad_output.shape[0], dtype=torch.float32)
             self._accumulate(slot.params, slot.handler.clipped_sum(slot.module, saved, grad_output, ones))
             return
-        if any(id(p) in self._materialise for p in slot.params.values()):
+        folded = grad_output.shape[0] != self._batch  # each sample's gradient sums its rows'
+        if folded or any(id(p) in self._materialise for p in slot.params.values()):
             grads = slot.handler.per_sample_grads(slot.module, saved, grad_output)
-            self._add_pending({slot.params[name]: grad for name, grad in grads.items()})
+            self._add_pending({slot.params[name]: self._per_sample(grad) for name, grad in grads.items()})
         else:
             self._norm_sq += slot.handler.norm_sq(
                 slot.module, saved, grad_output, self._method(slot, saved, grad_output)
@@ -438,13 +441,14 @@ class DPEngine:
             return
         names = ", ".join(self.describe_param(p) for p in use.params)
         where = f"parameter(s) {names} in op {use.op_name}"
-        if any(g.dim() == 0 or g.shape[0] != self._batch for g in grads):
+        rows = {rows_per_sample(g, self._batch) for g in grads}
+        if None in rows or len(rows) > 1:
             shapes = ", ".join(str(tuple(g.shape)) for g in grads)
             raise CoverageError(
                 f"{where} give outputs of shape {shapes}, whose dim 0 is not the batch ({self._batch}): per-sample "
-                "clipping needs dim 0 of every op that uses a trainable parameter to be the batch (a sequence-first "
-                "layout, or a parameter combined with a tensor without batch dimension, breaks that). For each: "
-                f"{FIXES}"
+                "clipping needs dim 0 of every op that uses a trainable parameter to be the batch, or the batch with "
+                "each sample's rows folded into it (a sequence-first layout, or a parameter combined with a tensor "
+                f"without batch dimension, breaks that). For each: {FIXES}"
             )
         if self._phase == "probe":
             self._probe_rows(where, grads)
@@ -453,7 +457,9 @@ class DPEngine:
             for param, grad in use.summed_grads(saved, grads).items():
                 self._add_grad(param, grad)
             return
-        per_sample = use.per_sample_grads(saved, grads, self._batch)
+        per_row = use.per_sample_grads(saved, grads, grads[0].shape[0])
+        per_sample = {param: self._per_sample(grad) for param, grad in per_row.items()}
+        del per_row
         if any(id(p) in self._materialise for p in use.params):
             self._add_pending(per_sample)
         else:
@@ -492,7 +498,7 @@ class DPEngine:
         while self._replays:
             call = self._replays.pop(0)  # the last block first, as the backward met them
             outputs = call.rerun()
-            weighted = {i: g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) for i, g in call.output_grads.items()}
+            weighted = {i: self._weighted(g, coef) for i, g in call.output_grads.items()}
             self._release(*call.output_grads.values())
             call.output_grads.clear()  # the unweighted gradients die here, unless something else holds them
             self._hold(*weighted.values())
@@ -517,6 +523,20 @@ class DPEngine:
             return "flash"
         return next(method for method in methods if method != "flash")
 
+    def _per_sample(self, grad: Tensor) -> Tensor:
+        """Per-row gradients summed over each sample's rows (``rows_per_sample``: sample-major)."""
+        if grad.shape[0] == self._batch:
+            return grad
+        return grad.view(self._batch, -1, *grad.shape[1:]).sum(dim=1)
+
+    def _per_row(self, coef: Tensor, rows: int) -> Tensor:
+        """Each sample's clipping coefficient on each of its rows."""
+        return coef if rows == self._batch else coef.repeat_interleave(rows // self._batch)
+
+    def _weighted(self, grad: Tensor, coef: Tensor) -> Tensor:
+        """An output gradient with each row scaled by its sample's clipping coefficient."""
+        return grad * self._per_row(coef, grad.shape[0]).to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
+
     def _add_pending(self, grads: dict[nn.Parameter, Tensor]) -> None:
         for param, grad in grads.items():
             pending = self._pending.get(id(param))
@@ -535,9 +555,10 @@ class DPEngine:
 
     def _clipped_sum(self, entry: Any, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], coef: Tensor) -> None:
         if isinstance(entry, _Slot):
+            coef = self._per_row(coef, grads[0].shape[0])
             self._accumulate(entry.params, entry.handler.clipped_sum(entry.module, saved, grads[0], coef))
             return
-        weighted = tuple(g * coef.to(g.dtype).view(-1, *([1] * (g.dim() - 1))) for g in grads)
+        weighted = tuple(self._weighted(g, coef) for g in grads)
         for param, grad in entry.summed_grads(saved, weighted).items():
             self._add_grad(param, grad)
 

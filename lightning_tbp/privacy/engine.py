@@ -459,7 +459,6 @@ class DPEngine:
             return
         per_row = use.per_sample_grads(saved, grads, grads[0].shape[0])
         per_sample = {param: self._per_sample(grad) for param, grad in per_row.items()}
-        del per_row
         if any(id(p) in self._materialise for p in use.params):
             self._add_pending(per_sample)
         else:

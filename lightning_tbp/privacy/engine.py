@@ -526,7 +526,7 @@ class DPEngine:
         """Per-row gradients summed over each sample's rows (``rows_per_sample``: sample-major)."""
         if grad.shape[0] == self._batch:
             return grad
-        return grad.view(self._batch, -1, *grad.shape[1:]).sum(dim=1)
+        return grad.unflatten(0, (self._batch, -1)).sum(dim=1)  # (a view where it can be, else a copy)
 
     def _per_row(self, coef: Tensor, rows: int) -> Tensor:
         """Each sample's clipping coefficient on each of its rows."""

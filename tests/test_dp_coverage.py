@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import PixArtTransformer2DModel
+from diffusers import PixArtTransformer2DModel, UNet3DConditionModel
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from dp_reference import clipped_at_median, clipped_sum, per_sample_grads
 from hypothesis import HealthCheck, given, settings
@@ -535,6 +535,34 @@ def test_a_pixart_dit_with_its_adaln_tables_and_learned_positions_is_exact(mode:
         coverage = engine.coverage()
         assert coverage["scale_shift_table"].startswith("tracked")
         assert coverage["transformer_blocks.0.attn1.to_q.weight"] == "Linear handler"
+
+
+def _video_unet_loss(call: Callable, batch: dict) -> torch.Tensor:
+    out = call(batch["x"], batch["t"], encoder_hidden_states=batch["text"]).sample
+    return (out - batch["y"]).square().flatten(1).mean(dim=1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_video_unet_folding_frames_and_positions_into_the_batch_is_exact(mode: str) -> None:
+    """A model the folded-batch support was not built around (it was built for CogVideoX's patch
+    embedding): diffusers' UNet3DConditionModel runs its spatial layers on [batch·frames, ...]
+    and its temporal transformers on [batch·height·width, frames, ...]. Refused before; exact now."""
+    torch.manual_seed(0)
+    model = UNet3DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"), up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+        cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8,
+    ).eval()  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "x": torch.randn(3, 4, 2, 8, 8, generator=generator),  # 3 samples of 2 frames
+        "t": torch.tensor([3, 500, 999]),
+        "text": torch.randn(3, 5, 16, generator=generator),
+        "y": torch.randn(3, 4, 2, 8, 8, generator=generator),
+    }
+    expected, norms, threshold = clipped_at_median(per_sample_grads(model, _video_unet_loss, batch))
+    with _exact_step(model, mode, _video_unet_loss, batch, expected, norms, threshold) as engine:
+        assert 0 < int((engine.clip_coefficients < 1).sum()) < 3  # some clipped, some not
 
 
 def test_refusals_name_the_parameter_and_what_to_do() -> None:

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from diffusers import PixArtTransformer2DModel, UNet3DConditionModel
+from diffusers import PixArtTransformer2DModel
 from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from dp_reference import clipped_at_median, clipped_sum, per_sample_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from models import tiny_video_unet
 from torch import nn
 
 from lightning_tbp.compat import tree_flatten, tree_unflatten
@@ -548,11 +549,7 @@ def test_a_video_unet_folding_frames_and_positions_into_the_batch_is_exact(mode:
     embedding): diffusers' UNet3DConditionModel runs its spatial layers on [batch·frames, ...]
     and its temporal transformers on [batch·height·width, frames, ...]. Refused before; exact now."""
     torch.manual_seed(0)
-    model = UNet3DConditionModel(
-        sample_size=8, in_channels=4, out_channels=4, block_out_channels=(32, 64), layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"), up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
-        cross_attention_dim=16, attention_head_dim=8, norm_num_groups=8,
-    ).eval()  # fmt: skip
+    model = tiny_video_unet().eval()
     generator = torch.Generator().manual_seed(0)
     batch = {
         "x": torch.randn(3, 4, 2, 8, 8, generator=generator),  # 3 samples of 2 frames

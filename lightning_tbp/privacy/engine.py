@@ -45,6 +45,7 @@ from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
 from lightning_tbp.remat.calibrate import TensorSpec, best_ns, first_run
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
+from lightning_tbp.remat.signature import batch_size_of
 from lightning_tbp.remat.step import (
     BackwardPass,
     StepModel,
@@ -147,6 +148,7 @@ class DPEngine:
         self._handler_reads = 0  # >0 while a handler runs its layer: it reads the real parameters
         self._phase: str | None = None  # "probe", "norms", "sum" or "book" while a backward runs
         self._batch = 0
+        self._forward_batch: int | None = None  # the batch of the module's running forward (``batch_size_of``)
         self._probed: set[tuple] = set()
         self._materialise: set[int] = set()  # ids of parameters reached by more than one path
         self._norm_sq: Tensor | None = None
@@ -157,6 +159,11 @@ class DPEngine:
         self._held: dict[int, int] = {}  # storage -> references the engine holds (for ``buffers``)
         self._warned_masked = False
         self._slots = self._install()
+        # first among the module's hooks, so a plan profiling inside its own pre-hook sees it set
+        self._batch_hooks = (
+            module.register_forward_pre_hook(self._note_batch, with_kwargs=True, prepend=True),
+            module.register_forward_hook(self._forget_batch, always_call=True),
+        )
         self._attached = True
         register_step_model(list(module.modules()), self.step_model)
         if STEP_PASSES[mode] == 1:
@@ -174,6 +181,13 @@ class DPEngine:
             owner._parameters = TrackedParameters(owner._parameters, self)
         return slots
 
+    def _note_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        """The profile's taps learn from it whether their rows are folded (see ``_meter_tap``)."""
+        self._forward_batch = batch_size_of(args, kwargs)
+
+    def _forget_batch(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._forward_batch = None  # a submodule called on its own folds nothing it can know of
+
     def _tapped_forward(self, slot: _Slot, x: Tensor) -> Tensor:
         self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
@@ -188,29 +202,33 @@ class DPEngine:
         finally:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
-        per_sample = x.shape[0] * sum(p.numel() * 4 for p in slot.params.values())
+        batch = self._forward_batch or x.shape[0]
+        per_sample = batch * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(TensorSpec.of(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
         params = tuple((name, tuple(p.shape), p.dtype) for name, p in slot.params.items())
-        note.meter, note.meter_key = functools.partial(self._meter_tap, slot, layouts), (*config, params, layouts)
+        note.meter = functools.partial(self._meter_tap, slot, layouts, batch)
+        note.meter_key = (*config, params, layouts, batch)
         note_tap(note)
         return tapped
 
-    def _meter_tap(self, slot: _Slot, layouts: tuple[TensorSpec, ...]) -> tuple[int, int, float, float] | None:
+    def _meter_tap(
+        self, slot: _Slot, layouts: tuple[TensorSpec, ...], batch: int
+    ) -> tuple[int, int, float, float] | None:
         """The exact peaks of this layer's norm and clipped sum above their inputs, and their times,
         on stand-ins laid out as the profiled tensors (the planner calls it after its profile; None
-        under a running CPU profiler). The clipped sum's own result (the parameter gradients) is
-        left out of its peak."""
+        under a running CPU profiler), run by the code the step runs for a batch of ``batch``
+        (rows folded into it take the per-row path). The clipped sum's own result (the parameter
+        gradients) is left out of its peak."""
         grad_output, *stand_ins = (layout.materialise() for layout in layouts)
         if grad_output.device.type == "cpu" and profiler_active():
             return None
         module, saved = slot.module, tuple(stand_ins)
-        method = self._method(slot, saved, grad_output)
         coef = torch.ones(grad_output.shape[0], device=grad_output.device)
         grads: dict[str, Tensor] = {}
 
         def norms() -> None:
-            slot.handler.norm_sq(module, saved, grad_output, method)
+            self._norm_sq_of(slot, saved, grad_output, batch)
 
         def clipped_sum() -> None:
             grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef))
@@ -243,6 +261,8 @@ class DPEngine:
 
     def detach(self) -> None:
         """Restore every module's own forward and parameter table; the engine is unusable afterwards."""
+        for hook in self._batch_hooks:
+            hook.remove()
         for slot in self._slots:
             slot.module.__dict__.pop("forward", None)
         for owner in self._survey.owners:
@@ -423,14 +443,11 @@ class DPEngine:
             ones = grad_output.new_ones(grad_output.shape[0], dtype=torch.float32)
             self._accumulate(slot.params, slot.handler.clipped_sum(slot.module, saved, grad_output, ones))
             return
-        folded = grad_output.shape[0] != self._batch  # each sample's gradient sums its rows'
-        if folded or any(id(p) in self._materialise for p in slot.params.values()):
+        if any(id(p) in self._materialise for p in slot.params.values()):
             grads = slot.handler.per_sample_grads(slot.module, saved, grad_output)
-            self._add_pending({slot.params[name]: self._per_sample(grad) for name, grad in grads.items()})
+            self._add_pending({slot.params[name]: _summed_rows(grad, self._batch) for name, grad in grads.items()})
         else:
-            self._norm_sq += slot.handler.norm_sq(
-                slot.module, saved, grad_output, self._method(slot, saved, grad_output)
-            )
+            self._norm_sq += self._norm_sq_of(slot, saved, grad_output, self._batch)
         if self._phase == "book" and not replayed:
             self._book.append((slot, saved, (grad_output,)))
             self._hold(*saved, grad_output)
@@ -458,7 +475,7 @@ class DPEngine:
                 self._add_grad(param, grad)
             return
         per_row = use.per_sample_grads(saved, grads, grads[0].shape[0])
-        per_sample = {param: self._per_sample(grad) for param, grad in per_row.items()}
+        per_sample = {param: _summed_rows(grad, self._batch) for param, grad in per_row.items()}
         if any(id(p) in self._materialise for p in use.params):
             self._add_pending(per_sample)
         else:
@@ -522,11 +539,14 @@ class DPEngine:
             return "flash"
         return next(method for method in methods if method != "flash")
 
-    def _per_sample(self, grad: Tensor) -> Tensor:
-        """Per-row gradients summed over each sample's rows (``rows_per_sample``: sample-major)."""
-        if grad.shape[0] == self._batch:
-            return grad
-        return grad.unflatten(0, (self._batch, -1)).sum(dim=1)  # (a view where it can be, else a copy)
+    def _norm_sq_of(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, batch: int) -> Tensor:
+        """The layer's squared per-sample gradient norms, ``[batch]``: by its handler's method, or,
+        where each sample's rows are folded into dim 0, from its per-row gradients summed per
+        sample (the norm of a sum is not a sum of norms). The step and the tap meter both run it."""
+        if grad_output.shape[0] == batch:
+            return slot.handler.norm_sq(slot.module, saved, grad_output, self._method(slot, saved, grad_output))
+        grads = slot.handler.per_sample_grads(slot.module, saved, grad_output)
+        return sum(_summed_rows(grad, batch).flatten(1).float().square().sum(dim=1) for grad in grads.values())
 
     def _per_row(self, coef: Tensor, rows: int) -> Tensor:
         """Each sample's clipping coefficient on each of its rows."""
@@ -587,6 +607,13 @@ class DPEngine:
             if not self._held[key]:
                 del self._held[key]
                 self.buffers.current_bytes -= tensor.untyped_storage().nbytes()
+
+
+def _summed_rows(grad: Tensor, batch: int) -> Tensor:
+    """Per-row gradients summed over each sample's rows (``rows_per_sample``: sample-major)."""
+    if grad.shape[0] == batch:
+        return grad
+    return grad.unflatten(0, (batch, -1)).sum(dim=1)  # (a view where it can be, else a copy)
 
 
 def attach(

@@ -82,11 +82,18 @@ def test_plans_made_with_an_engine_attached_simulate_the_dp_step(name: str, mode
         engine.probe_next_step()  # every measured step probes, as the step a plan is made for does
         engine.backward(per_sample_loss())
 
+    _check_dp_plan(model, engine, step, case.args, case.kwargs, 0.5 if mode == "ghost" else None)
+
+
+def _check_dp_plan(model, engine, step, args: tuple, kwargs: dict, budget: float | None) -> None:
+    """Plan ``model`` with ``engine`` attached at ``budget`` (None: the lowest named), then check
+    the naive DP step's prediction, the budget and the plan's prediction against ``step``'s
+    metered peaks; the engine is detached after."""
     plan = None
     try:
         naive_dp = _measured(model, step)
-        budget = 0.5 if mode == "ghost" else _lowest_budget(model, case.args, case.kwargs)
-        plan = rematerialize(model, *case.args, memory_budget=budget, **case.kwargs)
+        budget = budget if budget is not None else _lowest_budget(model, args, kwargs)
+        plan = rematerialize(model, *args, memory_budget=budget, **kwargs)
         shape_plan = plan.current
         assert abs(shape_plan.naive.peak_bytes / naive_dp - 1) <= TOLERANCE  # the naive DP step, predicted
         measured = _measured(model, step)
@@ -113,20 +120,7 @@ def test_a_dp_plan_on_a_model_folding_frames_into_the_batch_holds_its_budget(mod
         out = model(x, t, encoder_hidden_states=text).sample
         engine.backward((out - y).square().flatten(1).mean(dim=1))
 
-    plan = None
-    try:
-        naive_dp = _measured(model, step)
-        budget = 0.6 if mode == "ghost" else _lowest_budget(model, (x, t), {"encoder_hidden_states": text})
-        plan = rematerialize(model, x, t, memory_budget=budget, encoder_hidden_states=text)
-        shape_plan = plan.current
-        assert abs(shape_plan.naive.peak_bytes / naive_dp - 1) <= TOLERANCE
-        measured = _measured(model, step)
-        assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes)
-        assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
-    finally:
-        if plan is not None:
-            plan.remove()
-        engine.detach()
+    _check_dp_plan(model, engine, step, (x, t), {"encoder_hidden_states": text}, 0.6 if mode == "ghost" else None)
 
 
 @pytest.fixture

@@ -202,7 +202,9 @@ class DPEngine:
         finally:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
-        batch = self._forward_batch or x.shape[0]
+        batch = self._forward_batch
+        if not batch or x.shape[0] % batch:  # no multiple of the call's batch: its rows are the batch
+            batch = x.shape[0]
         per_sample = batch * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(TensorSpec.of(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)

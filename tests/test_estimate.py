@@ -34,6 +34,7 @@ from lightning_tbp.privacy import attach
 from lightning_tbp.strategies.privacy import PrivacyConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from models import tiny_video_unet
 from zoo_models import ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,34 @@ def test_dp_step_naive_peak_within_five_percent(mode: str, name: str) -> None:
     _assert_close(_dp_zoo_step(name, mode))
     estimate = estimate_step(_dp_zoo_step(name, mode), device=CPU, minimum=False)
     assert estimate.step_model == f"dp:{mode}"
+
+
+def _video_unet_dp_step(mode: str):
+    """A DP step on diffusers' video U-Net: its layers run on frames and positions folded into
+    the batch, whose norms the engine takes with each sample's rows merged into positions."""
+
+    def build() -> TrainingStep:
+        torch.manual_seed(0)
+        model = tiny_video_unet().eval()
+        x, y = torch.randn(3, 4, 2, 8, 8), torch.randn(3, 4, 2, 8, 8)
+        t, text = torch.tensor([3, 500, 999]), torch.randn(3, 5, 16)
+        engine = attach(model, mode, max_grad_norm=1.0, noise_multiplier=1.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def forward_backward() -> torch.Tensor:
+            loss = (model(x, t, encoder_hidden_states=text).sample - y).square().flatten(1).mean(1)
+            engine.backward(loss)
+            return loss
+
+        return TrainingStep({"model": model}, model, (x, t, text), forward_backward, optimizer.step, [optimizer])
+
+    return build
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_dp_step_on_folded_rows_is_estimated_within_five_percent(mode: str) -> None:
+    """The estimate prices folded layers from shapes (no stand-ins): the merged rows the step runs."""
+    _assert_close(_video_unet_dp_step(mode))
 
 
 def test_nothing_is_allocated_for_a_model_larger_than_this_machine_holds_cheaply() -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,16 +196,24 @@ class DPEngine:
             tapped = _Tap.apply(slot, self.anchor, output, *saved)
             if not profiling_taps():
                 return tapped
-            norm_bytes, sum_bytes = slot.handler.workspace_bytes(slot.module, x, output, self.mode.startswith("flash"))
+            batch = self._forward_batch
+            if not batch or x.shape[0] % batch:  # no multiple of the call's batch: its rows are the batch
+                batch = x.shape[0]
+            # the estimate (kept under a running CPU profiler) prices the rows the step runs, from
+            # shapes: an op here would be recorded in the profile as the model's
+            features = slot.handler.row_features(slot.module) if x.shape[0] != batch else None
+            x_shape, output_shape = tuple(x.shape), tuple(output.shape)
+            if features is not None:
+                x_shape = _merged_shape(x_shape, batch, features[0])
+                output_shape = _merged_shape(output_shape, batch, features[1])
+            flash = self.mode.startswith("flash")
+            norm_bytes, sum_bytes = slot.handler.workspace_bytes(slot.module, x_shape, output_shape, flash, x.device)
             # layers of one class and configuration on the same layouts measure alike (``extra_repr``
             # reads the parameters as attributes: here, where they are plain, not tracked uses)
             config = (type(slot.handler), type(slot.module), slot.module.extra_repr())
         finally:
             self._handler_reads -= 1
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
-        batch = self._forward_batch
-        if not batch or x.shape[0] % batch:  # no multiple of the call's batch: its rows are the batch
-            batch = x.shape[0]
         per_sample = batch * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(TensorSpec.of(t) for t in (output, *saved))
         note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
@@ -233,7 +242,9 @@ class DPEngine:
             self._norm_sq_of(slot, saved, grad_output, batch)
 
         def clipped_sum() -> None:
-            grads.update(slot.handler.clipped_sum(module, saved, grad_output, coef))
+            merged_saved, merged_grad = self._merged(slot, saved, grad_output, batch)
+            ones = coef[: merged_grad.shape[0]]
+            grads.update(slot.handler.clipped_sum(module, merged_saved, merged_grad, ones))
 
         device = grad_output.device
         with torch.no_grad(), garbage_collection_held(collect=False):
@@ -441,6 +452,7 @@ class DPEngine:
         if self._phase == "probe":
             self._probe_rows(f"module {slot.name!r} ({type(slot.module).__name__})", (grad_output,))
             return
+        saved, grad_output = self._merged(slot, saved, grad_output, self._batch)
         if self._phase == "sum":
             ones = grad_output.new_ones(grad_output.shape[0], dtype=torch.float32)
             self._accumulate(slot.params, slot.handler.clipped_sum(slot.module, saved, grad_output, ones))
@@ -541,10 +553,25 @@ class DPEngine:
             return "flash"
         return next(method for method in methods if method != "flash")
 
+    @staticmethod
+    def _merged(
+        slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, batch: int
+    ) -> tuple[tuple[Tensor, ...], Tensor]:
+        """The call with ``batch`` rows where its rows are folded samples the layer sees as
+        positions (``LayerHandler.row_features``); else as it came."""
+        features = slot.handler.row_features(slot.module)
+        if features is None or grad_output.shape[0] == batch:
+            return saved, grad_output
+        (x,) = saved
+        merged_x = x.reshape(_merged_shape(x.shape, batch, features[0]))
+        return (merged_x,), grad_output.reshape(_merged_shape(grad_output.shape, batch, features[1]))
+
     def _norm_sq_of(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, batch: int) -> Tensor:
         """The layer's squared per-sample gradient norms, ``[batch]``: by its handler's method, or,
-        where each sample's rows are folded into dim 0, from its per-row gradients summed per
-        sample (the norm of a sum is not a sum of norms). The step and the tap meter both run it."""
+        where each sample's rows are folded into dim 0 and the handler cannot merge them, from its
+        per-row gradients summed per sample (the norm of a sum is not a sum of norms). The step and
+        the tap meter both run it."""
+        saved, grad_output = self._merged(slot, saved, grad_output, batch)
         if grad_output.shape[0] == batch:
             return slot.handler.norm_sq(slot.module, saved, grad_output, self._method(slot, saved, grad_output))
         grads = slot.handler.per_sample_grads(slot.module, saved, grad_output)
@@ -609,6 +636,12 @@ class DPEngine:
             if not self._held[key]:
                 del self._held[key]
                 self.buffers.current_bytes -= tensor.untyped_storage().nbytes()
+
+
+def _merged_shape(shape: Sequence[int], batch: int, features: int) -> tuple[int, ...]:
+    """``shape`` with its sample-major rows and positions merged into ``[batch, positions, *features]``."""
+    positions = len(shape) - features
+    return (batch, math.prod(shape[:positions]) // batch, *shape[positions:])
 
 
 def _summed_rows(grad: Tensor, batch: int) -> Tensor:

@@ -10,6 +10,7 @@ are few (2T² < p·d), unfolds: a convolution is then a grouped Linear over outp
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +32,12 @@ class ConvHandler(OuterProductHandler):
         bias = None if module.bias is None else module.bias.detach()
         return conv_forward(module, x, module.weight.detach(), bias), (x,)
 
-    def operand_shapes(self, module: nn.Module, x: Tensor, output: Tensor) -> tuple[int, int, int, int, int]:
-        batch, groups = x.shape[0], module.groups
+    def operand_shapes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int]
+    ) -> tuple[int, int, int, int, int]:
+        batch, groups = x[0], module.groups
         patch = module.in_channels // groups * math.prod(module.kernel_size)
-        return batch, groups, math.prod(output.shape[2:]), patch, module.out_channels // groups
+        return batch, groups, math.prod(output[2:]), patch, module.out_channels // groups
 
     def bias_features(self, grad_output: Tensor) -> int:
         return grad_output.shape[1]
@@ -85,17 +88,19 @@ class ConvHandler(OuterProductHandler):
         ]
         return torch.cat(norms)
 
-    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
+    def workspace_bytes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int], flash: bool, device: torch.device
+    ) -> tuple[int, int]:
         batch, groups, positions, in_features, out_features = self.operand_shapes(module, x, output)
         unfolded = 4 * batch * groups * positions * (in_features + out_features)
         per_sample = 4 * batch * module.weight.numel()
         if flash:  # tiles of samples on CPU; the fused kernel reads the unfolded operands on CUDA
-            norms = unfolded if x.is_cuda else 2 * min(outer.FLASH_TILE_BYTES, per_sample)
+            norms = unfolded if device.type == "cuda" else 2 * min(outer.FLASH_TILE_BYTES, per_sample)
         elif self.ghost_cheaper(module, x, output):
             norms = unfolded + 3 * 4 * batch * groups * positions * positions
         else:
             norms = 2 * per_sample
-        return norms, 4 * output.numel()  # the output gradient times the coefficients
+        return norms, 4 * math.prod(output)  # the output gradient times the coefficients
 
     def operands(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> tuple[Tensor, Tensor]:
         (x,) = saved

@@ -5,6 +5,9 @@ The ghost norm needs only which positions share an index: ``Σ_{t,s} [i_t = i_s]
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -47,10 +50,15 @@ class EmbeddingHandler(LayerHandler):
         grads = g.new_zeros(g.shape[0], module.num_embeddings, g.shape[2])
         return {"weight": grads.scatter_add_(1, indices.unsqueeze(-1).expand_as(g), g)}
 
-    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
-        batch = x.shape[0]
-        positions = x.numel() // max(batch, 1)
-        return 2 * 4 * batch * positions * positions, 4 * output.numel()  # ghost Gram and index mask
+    def row_features(self, module: nn.Module) -> tuple[int, int]:
+        return 0, 1  # every index is a position to a lookup
+
+    def workspace_bytes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int], flash: bool, device: torch.device
+    ) -> tuple[int, int]:
+        batch = x[0]
+        positions = math.prod(x) // max(batch, 1)
+        return 2 * 4 * batch * positions * positions, 4 * math.prod(output)  # ghost Gram and index mask
 
     def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
         indices, g = self._operands(module, saved, grad_output)

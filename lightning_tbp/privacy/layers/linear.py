@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -21,10 +24,13 @@ class OuterProductHandler(LayerHandler):
     copies_operands = False
     """Whether building the operands copies the activations (a convolution unfolds its input)."""
 
-    def operand_shapes(self, module: nn.Module, x: Tensor, output: Tensor) -> tuple[int, int, int, int, int]:
-        """``(B, K, T, d, p)`` of the operands ``a: [B, K, T, d]``, ``g: [B, K, T, p]``."""
-        batch = x.shape[0]
-        return batch, 1, output.numel() // (batch * output.shape[-1]), x.shape[-1], output.shape[-1]
+    def operand_shapes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int]
+    ) -> tuple[int, int, int, int, int]:
+        """``(B, K, T, d, p)`` of the operands ``a: [B, K, T, d]``, ``g: [B, K, T, p]`` of a call
+        whose input and output have the shapes ``x`` and ``output``."""
+        batch = x[0]
+        return batch, 1, math.prod(output) // (batch * output[-1]), x[-1], output[-1]
 
     def operands(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> tuple[Tensor, Tensor]:
         """``a: [B, K, T, d]`` and ``g: [B, K, T, p]`` (K groups) in float32."""
@@ -41,12 +47,14 @@ class OuterProductHandler(LayerHandler):
     def features_last(self, grad_output: Tensor) -> Tensor:
         return grad_output
 
-    def ghost_cheaper(self, module: nn.Module, x: Tensor, grad_output: Tensor) -> bool:
+    def ghost_cheaper(self, module: nn.Module, x: Sequence[int], output: Sequence[int]) -> bool:
         """The per-layer choice: ghost norm when 2T² < p·d, else the materialised gradient."""
-        _, _, positions, in_features, out_features = self.operand_shapes(module, x, grad_output)
+        _, _, positions, in_features, out_features = self.operand_shapes(module, x, output)
         return 2 * positions * positions < in_features * out_features
 
-    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
+    def workspace_bytes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int], flash: bool, device: torch.device
+    ) -> tuple[int, int]:
         batch, groups, positions, in_features, out_features = self.operand_shapes(module, x, output)
         operands = 4 * batch * groups * positions * (in_features + out_features) if self.copies_operands else 0
         if flash:
@@ -58,7 +66,7 @@ class OuterProductHandler(LayerHandler):
         return norms, 4 * batch * groups * positions * out_features  # the output gradient times the coefficients
 
     def norm_methods(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> tuple[str, ...]:
-        ghost_first = self.ghost_cheaper(module, saved[0], grad_output)
+        ghost_first = self.ghost_cheaper(module, saved[0].shape, grad_output.shape)
         return (*(("ghost", "materialise") if ghost_first else ("materialise", "ghost")), "flash")
 
     def weight_norm_sq(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, method: str) -> Tensor:
@@ -102,6 +110,9 @@ class OuterProductHandler(LayerHandler):
 
 @register(nn.Linear)
 class LinearHandler(OuterProductHandler):
+    def row_features(self, module: nn.Module) -> tuple[int, int]:
+        return 1, 1
+
     def forward(self, module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         bias = None if module.bias is None else module.bias.detach()
         return F.linear(x, module.weight.detach(), bias), (x,)

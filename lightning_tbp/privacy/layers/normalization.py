@@ -83,6 +83,10 @@ class TrailingNormHandler(AffineNormHandler):
         shape = self.normalized_shape(module)
         return (1,) * (x.dim() - len(shape)) + shape
 
+    def row_features(self, module: nn.Module) -> tuple[int, int]:
+        features = len(self.normalized_shape(module))  # the parameters cover these; all before are positions
+        return features, features
+
 
 @register(nn.LayerNorm)
 class LayerNormHandler(TrailingNormHandler):

@@ -9,9 +9,11 @@ sum ``Σ_i c_i ∇_i`` directly.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
 from torch import Tensor, nn
 
 Grads = dict[str, Tensor]
@@ -55,12 +57,28 @@ class LayerHandler(ABC):
     def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
         """``Σ_i coef_i ∇_i`` per trainable parameter, in the parameter's shape."""
 
-    def workspace_bytes(self, module: nn.Module, x: Tensor, output: Tensor, flash: bool) -> tuple[int, int]:
-        """Transient bytes of (the per-sample norms, the clipped sum) for a call on ``x``, for the
-        planner's model of a DP step. Default: per-sample gradients materialised, twice (the
-        gradients and their squares), and the output gradient weighted by the coefficients."""
-        per_sample = x.shape[0] * sum(p.numel() * 4 for p in trainable(module).values())
-        return 2 * per_sample, output.numel() * 4
+    def row_features(self, module: nn.Module) -> tuple[int, int] | None:
+        """How many trailing dimensions of the saved input and of the output gradient are features,
+        where every dimension before them is a position to the layer's parameters; None (the
+        default) where dim 0 is not a position (a convolution's, a group norm's).
+
+        A call whose dim 0 holds each sample's rows folded in (``k·batch`` rows, sample-major:
+        ``coverage.rows_per_sample``) is then taken with ``batch`` rows, each sample's rows
+        becoming more of its positions: the layer's usual norm (a ghost norm, or ``batch``
+        materialised gradients) instead of per-row gradients, ``k`` times larger, summed per
+        sample. Handlers that give it save one tensor, laid out as the input."""
+        return None
+
+    def workspace_bytes(
+        self, module: nn.Module, x: Sequence[int], output: Sequence[int], flash: bool, device: torch.device
+    ) -> tuple[int, int]:
+        """Transient bytes of (the per-sample norms, the clipped sum) for a call whose input and
+        output have the shapes ``x`` and ``output`` (shapes, not tensors: the planner's profile
+        must not run ops to price a layer), for the planner's model of a DP step. Default:
+        per-sample gradients materialised, twice (the gradients and their squares), and the
+        output gradient weighted by the coefficients."""
+        per_sample = x[0] * sum(p.numel() * 4 for p in trainable(module).values())
+        return 2 * per_sample, math.prod(output) * 4
 
 
 _HANDLERS: dict[type[nn.Module], LayerHandler] = {}

@@ -4,11 +4,12 @@ For each architecture of ``zoo_models.py`` and each DP mode asked for, an engine
 (noise 0, clipping at 1.0) and ``rematerialize`` plans the DP step at half its naive peak and at
 the lowest budget it names. Per plan: the exact allocator peak of the DP step (forward, per-sample
 MSE, ``engine.backward``), the budget, the prediction, and how far the clipped gradients are from
-the unplanned DP step's (``largest_difference``). Memory and gradients only: the step times of
-DP plans are ``dp_plan_time.py``'s.
+the unplanned DP step's (``largest_difference``), and the same step's peak without DP. Memory
+and gradients only: the step times of DP plans are ``dp_plan_time.py``'s.
 
     python benchmarks/dp_zoo.py --out docs/benchmarks/dp_zoo                 # all, ghost and bookkeeping
     python benchmarks/dp_zoo.py --arch sd3 --modes bookkeeping --out /tmp/dp  # one
+    python benchmarks/dp_zoo.py --arch video_unet --out docs/benchmarks/dp_video_unet  # folded rows
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 from common import device_label, grads_of, measure_step, pyplot, write_result
-from zoo_models import ZOO, sample
+from zoo_models import BENCH_ONLY, ZOO, sample
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
@@ -48,8 +49,13 @@ def largest_difference(grads: dict[str, torch.Tensor], reference: dict[str, torc
 
 
 def run(name: str, mode: str) -> dict[str, Any]:
-    case = ZOO[name].case(batch=BATCH)
+    case = {**ZOO, **BENCH_ONLY}[name].case(batch=BATCH)
     model = case.model.eval()  # no dropout: the per-sample loss must not depend on the batch
+
+    def plain_step() -> None:
+        (sample(model(*case.args, **case.kwargs)).float() - case.target).square().mean().backward()
+
+    plain, _ = _measured(model, plain_step)
     engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
 
     def step() -> None:
@@ -87,7 +93,14 @@ def run(name: str, mode: str) -> dict[str, Any]:
                 "planned_blocks": sum(1 for option in planned.options.values() if option.name != "KEEP"),
                 "grad_largest_difference": largest_difference(grads, reference),
             }
-        return {"architecture": name, "mode": mode, "batch": BATCH, "naive_peak_bytes": naive, "rows": rows}
+        return {
+            "architecture": name,
+            "mode": mode,
+            "batch": BATCH,
+            "plain_peak_bytes": plain,  # the same step without DP
+            "naive_peak_bytes": naive,
+            "rows": rows,
+        }
     finally:
         engine.detach()
 
@@ -115,7 +128,7 @@ def plot(result: dict[str, Any]) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=sorted(ZOO), nargs="*", default=sorted(ZOO))
+    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY), nargs="*", default=sorted(ZOO))
     parser.add_argument("--modes", choices=MODES, nargs="*", default=["ghost", "bookkeeping"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

@@ -345,10 +345,35 @@ def _reference_unet() -> nn.Module:
     return UNet2DModel(**REFERENCE_UNET, sample_size=64)
 
 
-#: Benchmarked on request (``zoo.py --arch``) but not part of the zoo the tests sweep: the reference
-#: U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak in interleaved rounds.
+def _video_unet() -> nn.Module:
+    from diffusers import UNet3DConditionModel
+
+    return UNet3DConditionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
+        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
+        cross_attention_dim=16,
+        attention_head_dim=8,
+        norm_num_groups=8,
+    )
+
+
+def _video_unet_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    video = _randn(generator, batch, 4, 3, 16, 16)  # 3 frames
+    return (video, _timesteps(generator, batch)), {"encoder_hidden_states": _randn(generator, batch, 5, 16)}
+
+
+#: Benchmarked on request (``zoo.py --arch``, ``dp_zoo.py --arch``) but not part of the zoo the
+#: tests sweep: the reference U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak
+#: in interleaved rounds; a video U-Net whose layers run on frames and positions folded into the
+#: batch (the DP engine's folded rows, ``docs/privacy.md``).
 BENCH_ONLY = {
     "reference_unet": Architecture(
         "reference_unet", "reference UNet2DModel, 64x64", _reference_unet, _image_inputs(3, 64)
-    )
+    ),
+    "video_unet": Architecture("video_unet", "UNet3DCondition (video, folds)", _video_unet, _video_unet_inputs),
 }

@@ -562,9 +562,8 @@ class DPEngine:
         features = slot.handler.row_features(slot.module)
         if features is None or grad_output.shape[0] == batch:
             return saved, grad_output
-        (x,) = saved
-        merged_x = x.reshape(_merged_shape(x.shape, batch, features[0]))
-        return (merged_x,), grad_output.reshape(_merged_shape(grad_output.shape, batch, features[1]))
+        merged = tuple(t.reshape(_merged_shape(t.shape, batch, features[0])) for t in saved)
+        return merged, grad_output.reshape(_merged_shape(grad_output.shape, batch, features[1]))
 
     def _norm_sq_of(self, slot: _Slot, saved: tuple[Tensor, ...], grad_output: Tensor, batch: int) -> Tensor:
         """The layer's squared per-sample gradient norms, ``[batch]``: by its handler's method, or,

@@ -20,9 +20,18 @@ class DiffusersRMSNormHandler(TrailingNormHandler):
     def normalized_shape(self, module: nn.Module) -> tuple[int, ...]:
         return tuple(module.dim)
 
-    def normalise(self, module: nn.Module, x: Tensor) -> Tensor:
+    def normalise(self, module: nn.Module, x: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
         variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
-        normalised = x * torch.rsqrt(variance + module.eps)
+        rstd = torch.rsqrt(variance + module.eps)
+        return self._cast(module, x * rstd), (x, rstd)
+
+    def rebuild(self, module: nn.Module, saved: tuple[Tensor, ...]) -> Tensor:
+        x, rstd = saved
+        return self._cast(module, x.float() * rstd.float()).float()
+
+    @staticmethod
+    def _cast(module: nn.Module, normalised: Tensor) -> Tensor:
+        """The weight multiplies the normalised input cast to its dtype where that is half precision."""
         if module.weight is not None and module.weight.dtype in (torch.float16, torch.bfloat16):
-            normalised = normalised.to(module.weight.dtype)
+            return normalised.to(module.weight.dtype)
         return normalised

@@ -66,7 +66,8 @@ class LayerHandler(ABC):
         ``coverage.rows_per_sample``) is then taken with ``batch`` rows, each sample's rows
         becoming more of its positions: the layer's usual norm (a ghost norm, or ``batch``
         materialised gradients) instead of per-row gradients, ``k`` times larger, summed per
-        sample. Handlers that give it save one tensor, laid out as the input."""
+        sample. Handlers that give it save tensors laid out as the input (statistics with size-1
+        feature dimensions), each merged alike."""
         return None
 
     def workspace_bytes(

@@ -370,7 +370,7 @@ def _video_unet_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, d
 #: Benchmarked on request (``zoo.py --arch``, ``dp_zoo.py --arch``) but not part of the zoo the
 #: tests sweep: the reference U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak
 #: in interleaved rounds; a video U-Net whose layers run on frames and positions folded into the
-#: batch (the DP engine's folded rows, ``docs/privacy.md``).
+#: batch (the DP engine's folded rows, ``docs/privacy.md``; the DP tests build it too).
 BENCH_ONLY = {
     "reference_unet": Architecture(
         "reference_unet", "reference UNet2DModel, 64x64", _reference_unet, _image_inputs(3, 64)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import lightning as L
 import torch
-from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel, UNet3DConditionModel
+from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from torch import nn
 
 
@@ -51,23 +51,6 @@ def tiny_cond_unet() -> UNet2DConditionModel:
         cross_attention_dim=32,
         norm_num_groups=8,
         attention_head_dim=8,
-    )
-
-
-def tiny_video_unet() -> UNet3DConditionModel:
-    """A video U-Net: its spatial layers run on [batch·frames, ...], its temporal transformers on
-    [batch·height·width, frames, ...] (DP folds, ``docs/privacy.md``)."""
-    return UNet3DConditionModel(
-        sample_size=8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=1,
-        down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
-        up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
-        cross_attention_dim=16,
-        attention_head_dim=8,
-        norm_num_groups=8,
     )
 
 

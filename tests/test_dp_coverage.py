@@ -27,7 +27,6 @@ from diffusers.models.normalization import RMSNorm as DiffusersRMSNorm
 from dp_reference import clipped_at_median, clipped_sum, per_sample_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import tiny_video_unet
 from torch import nn
 
 from lightning_tbp.compat import tree_flatten, tree_unflatten
@@ -45,7 +44,7 @@ from lightning_tbp.remat import Option, Plan
 from lightning_tbp.remat.apply import InstalledWrappers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import ZOO
+from zoo_models import BENCH_ONLY, ZOO
 from zoo_models import sample as zoo_sample
 
 B, T, D = 5, 4, 8  # no two alike, so a layout mix-up cannot pass for the batch
@@ -552,7 +551,7 @@ def test_a_video_unet_folding_frames_and_positions_into_the_batch_is_exact(mode:
     embedding): diffusers' UNet3DConditionModel runs its spatial layers on [batch·frames, ...]
     and its temporal transformers on [batch·height·width, frames, ...]. Refused before; exact now."""
     torch.manual_seed(0)
-    model = tiny_video_unet().eval()
+    model = BENCH_ONLY["video_unet"].build().eval()
     generator = torch.Generator().manual_seed(0)
     batch = {
         "x": torch.randn(3, 4, 2, 8, 8, generator=generator),  # 3 samples of 2 frames

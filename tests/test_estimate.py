@@ -34,8 +34,7 @@ from lightning_tbp.privacy import attach
 from lightning_tbp.strategies.privacy import PrivacyConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from models import tiny_video_unet
-from zoo_models import ZOO
+from zoo_models import BENCH_ONLY, ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.05  # the promise: the naive peak within 5% of the exact measured one
@@ -125,7 +124,7 @@ def _video_unet_dp_step(mode: str):
 
     def build() -> TrainingStep:
         torch.manual_seed(0)
-        model = tiny_video_unet().eval()
+        model = BENCH_ONLY["video_unet"].build().eval()
         x, y = torch.randn(3, 4, 2, 8, 8), torch.randn(3, 4, 2, 8, 8)
         t, text = torch.tensor([3, 500, 999]), torch.randn(3, 5, 16)
         engine = attach(model, mode, max_grad_norm=1.0, noise_multiplier=1.0)

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from models import tiny_video_unet
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import ZOO, sample
+from zoo_models import BENCH_ONLY, ZOO, sample
 
 TOLERANCE = 0.05  # measured within ±5% of predicted
 
@@ -110,7 +109,7 @@ def test_a_dp_plan_on_a_model_folding_frames_into_the_batch_holds_its_budget(mod
     """A video U-Net under DP: its folded layers take their norms from per-row gradients, which
     the plan must count (the tap meters once metered the unfolded norm: 2.3x the budget at 0.5)."""
     torch.manual_seed(0)
-    model = tiny_video_unet().eval()
+    model = BENCH_ONLY["video_unet"].build().eval()
     x, y = torch.randn(3, 4, 2, 8, 8), torch.randn(3, 4, 2, 8, 8)
     t, text = torch.tensor([3, 500, 999]), torch.randn(3, 5, 16)
     engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)

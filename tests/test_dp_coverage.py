@@ -686,15 +686,70 @@ def test_refusals_name_the_parameter_and_what_to_do() -> None:
 
 def test_the_probe_catches_a_batch_sized_dimension_that_is_not_the_batch() -> None:
     """With as many positions as samples, a sequence-first Linear passes every shape check; the
-    first backward's probe (one sample's loss alone) still sees other rows get gradient."""
+    first backward's probe (sets of samples' losses alone) still sees other rows get gradient."""
     torch.manual_seed(0)
     model = Composed([SequenceFirst])
     square = {"x": torch.randn(T, T, D), "labels": torch.zeros(T, T, dtype=torch.long), "y": torch.randn(T, T, D)}
     engine = attach(model, mode="bookkeeping", noise_multiplier=0.0)
-    with pytest.raises(CoverageError, match=r"module 'blocks\.0\.lin' \(Linear\): rows of other samples"):
+    with pytest.raises(CoverageError, match=r"module 'blocks\.0\.lin' \(Linear\): rows of sample \d+ receive gradient"):
         engine.backward(_loss(model, square))
     assert all(p.grad is None for p in model.parameters())
     engine.detach()
+
+
+class OnePairMixer(nn.Module):
+    """Two Linears with, between them, sample ``reader``'s rows adding sample ``read``'s (every
+    row of it where ``rows`` rows of each sample are folded into dim 0): one ordered pair of
+    samples is dependent, every other sample independent (none where ``read`` is None)."""
+
+    def __init__(self, batch: int, rows: int, read: int | None = None, reader: int = 0) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.batch, self.rows, self.read, self.reader = batch, rows, read, reader
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x.reshape(self.batch * self.rows, 4)).unflatten(0, (self.batch, self.rows))
+        if self.read is not None:
+            hidden = hidden.index_add(0, torch.tensor([self.reader]), hidden[self.read : self.read + 1])
+        return self.second(hidden.flatten(0, 1)).unflatten(0, (self.batch, self.rows))
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(2, 40), rows=st.sampled_from([1, 3]), data=st.data())
+def test_the_probe_catches_any_one_sample_reading_another(batch: int, rows: int, data: st.DataObject) -> None:
+    """Whichever sample reads whichever other (one ordered pair of a batch, folded rows or not),
+    the first backward refuses naming the sample read (its rows get the reader's gradient), and
+    writes no gradient. On the commit
+    before, the probe backpropagated sample 0 alone and missed every pair whose reader was not 0
+    (a cumulative sum over the batch trained as if it were private)."""
+    read = data.draw(st.integers(0, batch - 1), label="read")
+    reader = data.draw(st.integers(0, batch - 1).filter(lambda s: s != read), label="reader")
+    torch.manual_seed(0)
+    model = OnePairMixer(batch, rows, read, reader)
+    engine = attach(model, mode=data.draw(st.sampled_from(MODES), label="mode"), noise_multiplier=0.0)
+    x = torch.randn(batch, rows, 4)
+    with pytest.raises(CoverageError, match=rf"module 'first' \(Linear\): rows of sample {read} receive gradient"):
+        engine.backward(model(x).square().mean(dim=(1, 2)))
+    assert all(p.grad is None for p in model.parameters())
+    engine.detach()
+
+
+def test_the_probe_passes_independent_samples_of_every_batch_size() -> None:
+    """The other side of the property above: with no sample reading another, no probe set of any
+    batch size flags a row (folded or not), and the step is the per-sample reference's."""
+    torch.manual_seed(0)
+    for batch in range(1, 12):
+        for rows in (1, 3):
+            model = OnePairMixer(batch, rows)
+            engine = attach(model, mode="ghost", noise_multiplier=0.0, max_grad_norm=1e6)
+            x = torch.randn(batch, rows, 4)
+            engine.backward(model(x).square().mean(dim=(1, 2)))
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+            engine.detach()
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean(dim=(1, 2)).sum().backward()
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(grads[name], p.grad, msg=f"{name} at batch {batch}, rows {rows}")
 
 
 def test_probe_next_step_checks_coverage_again_on_a_graph_already_probed() -> None:
@@ -718,7 +773,7 @@ def test_probe_next_step_checks_coverage_again_on_a_graph_already_probed() -> No
     model.mix = 1.0
     engine.backward(model(x).square().mean(1))  # the same structure: not probed again
     engine.probe_next_step()
-    with pytest.raises(CoverageError, match=r"module 'first' \(Linear\): rows of other samples"):
+    with pytest.raises(CoverageError, match=r"module 'first' \(Linear\): rows of sample \d+ receive gradient"):
         engine.backward(model(x).square().mean(1))
     engine.detach()
 

@@ -13,18 +13,22 @@ list of known layers:
   parameter (or for a tracked tensor: a custom ``autograd.Function`` given one) is a gradient the
   engine would not clip, and is refused before anything is written. A trainable parameter no
   clipped path reaches is refused as well (it would get noise but no gradient).
-- At the first backward of each graph structure the engine probes one sample's loss alone: every
-  clipped path must then see a zero output gradient on every other sample's row. That is the
+- At the first backward of each graph structure the engine probes sets of samples' losses alone
+  (``probe_sets``: every ordered pair of samples is separated by one): every clipped path must
+  then see a zero output gradient on the rows of every sample outside the set. That is the
   per-sample independence all clipping relies on; batch statistics, a sequence-first layout or a
   batch-sized dimension that is not the batch all fail it, with the module or op named. A layer
   whose dim 0 is a multiple of the batch (a video model's frames folded into it) passes when
-  sample 0's rows are the first block of rows and no other row gets its gradient: each sample's
+  each probed sample's rows are its own block of rows and no other row gets its gradient: each sample's
   gradient is then the sum over its block of rows (``rows_per_sample``).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -198,22 +202,51 @@ def rows_per_sample(grad: Tensor, batch: int) -> int | None:
     return grad.shape[0] // batch
 
 
-def row_violation(grad: Tensor, batch: int, probed: int) -> str | None:
-    """Why ``grad`` (an output gradient while only sample ``probed``'s loss is backpropagated)
-    shows that its dim 0 is not the batch (or the batch folded sample-major with other rows),
-    or None when it is consistent with it."""
+def probe_sets(batch: int) -> list[list[int]]:
+    """Sets of samples whose summed losses the independence probe backpropagates, each alone.
+
+    Independence means no sample's loss reaches another sample's rows. A probe of a set ``S``
+    sees that for the pairs (``i`` in ``S``, ``j`` not in ``S``), so the sets must separate every
+    ordered pair: each sample gets a distinct half-size subset of ``m`` probes (no subset holds
+    another, so for ``i ≠ j`` some probe holds ``i`` and not ``j``), with the least ``m`` that has
+    ``batch`` such subsets: 2 probes for 2 samples, 4 for 4, 6 for 16, 8 for 64, 11 for 256.
+    Probing sample 0 alone would miss a model in which a later sample reads an earlier one
+    (a cumulative sum over the batch)."""
+    probes = 2
+    while math.comb(probes, probes // 2) < batch:
+        probes += 1
+    subsets = itertools.islice(itertools.combinations(range(probes), probes // 2), batch)
+    members: list[list[int]] = [[] for _ in range(probes)]
+    for sample, subset in enumerate(subsets):
+        for probe in subset:
+            members[probe].append(sample)
+    return members
+
+
+def row_violation(grad: Tensor, batch: int, probed: Sequence[int]) -> str | None:
+    """Why ``grad`` (an output gradient while only the losses of the samples ``probed`` are
+    backpropagated) shows that its dim 0 is not the batch (or the batch folded sample-major with
+    other rows), or None when it is consistent with it."""
     rows = rows_per_sample(grad, batch)
     if rows is None:
         return f"its gradient has shape {tuple(grad.shape)}, not [batch={batch}, ...] or a multiple of it"
     if isinstance(grad, FakeTensor):  # ``tbp estimate`` runs the step without values: shapes only
         return None
-    others = torch.cat([grad[: probed * rows], grad[(probed + 1) * rows :]])
-    if bool((others != 0).any()):
-        if rows > 1:
-            return (
-                f"rows of other samples receive gradient from one sample's loss (dim 0 holds {rows} rows per "
-                "sample, which must be grouped by sample: reshape a [batch, frames, ...] tensor, not "
-                "[frames, batch, ...])"
-            )
-        return "rows of other samples receive gradient from one sample's loss"
-    return None
+    outside = torch.ones(batch, dtype=torch.bool, device=grad.device)
+    outside[list(probed)] = False
+    reached = grad.unflatten(0, (batch, rows)).flatten(1).ne(0).any(dim=1) & outside
+    if not bool(reached.any()):
+        return None
+    sample = int(reached.nonzero()[0])
+    which = f"rows of sample {sample} receive gradient from the loss of sample(s) {_listed(probed)}"
+    if rows > 1:
+        return (
+            f"{which} (dim 0 holds {rows} rows per sample, which must be grouped by sample: reshape a "
+            "[batch, frames, ...] tensor, not [frames, batch, ...])"
+        )
+    return which
+
+
+def _listed(samples: Sequence[int], shown: int = 8) -> str:
+    head = ", ".join(str(s) for s in samples[:shown])
+    return head if len(samples) <= shown else f"{head}, … ({len(samples)} samples)"

@@ -18,8 +18,9 @@ input gradients; the engine forms the parameter gradients:
 A parameter reached by several paths (a layer called twice, tied weights, a tracked use next to
 its layer's own) has its per-sample gradients materialised and summed before the norm. Every
 backward first checks the graph (no parameter reachable by plain autograd, none unreached), and
-the first backward of each graph structure probes one sample's loss to check that every clipped
-path sees only that sample (``coverage.py``).
+the first backward of each graph structure probes sets of samples' losses to check that every
+clipped path sees only the probed samples, so no sample's loss reaches another's rows
+(``coverage.py``).
 
 Saved tensors go through ``ctx.save_for_backward``, so non-reentrant checkpointing (and the
 rematerialization plan) recompute them like any other activation, and gradients stay exact.
@@ -40,7 +41,14 @@ from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
 from lightning_tbp.memory.meters import garbage_collection_held, profiler_active
-from lightning_tbp.privacy.coverage import check_batch_norms, row_violation, rows_per_sample, survey, survey_graph
+from lightning_tbp.privacy.coverage import (
+    check_batch_norms,
+    probe_sets,
+    row_violation,
+    rows_per_sample,
+    survey,
+    survey_graph,
+)
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
@@ -157,6 +165,7 @@ class DPEngine:
         self._book: list[tuple[Any, tuple[Tensor, ...], tuple[Tensor, ...]]] = []
         self._replays: list[CheckpointedCall] = []  # checkpointed blocks the backward reached, in its order
         self._violations: list[str] = []
+        self._probed_samples: list[int] = []  # whose losses the running probe backpropagates
         self._held: dict[int, int] = {}  # storage -> references the engine holds (for ``buffers``)
         self._warned_masked = False
         self._slots = self._install()
@@ -314,7 +323,7 @@ class DPEngine:
     def probe_next_step(self) -> None:
         """Make the next ``backward`` check coverage again, as the first one of each graph did.
 
-        The first step of each graph structure backpropagates sample 0 alone first (the
+        The first step of each graph structure backpropagates sets of samples alone first (the
         coverage probe), and its graph stays retained meanwhile: that step's peak is the one a
         plan made with this engine attached is for. A meter that must see that peak again,
         step after step (benchmarks, memory tests), calls this before each step."""
@@ -378,18 +387,24 @@ class DPEngine:
             self.add_noise()
 
     def _probe(self, loss: Tensor) -> None:
-        """Backpropagate sample 0's loss alone: every clipped path must see only row 0."""
+        """Backpropagate each probe set's losses alone (``coverage.probe_sets``): every clipped path
+        must see gradient on the rows of the set's samples only."""
         self._phase, self._violations = "probe", []
-        self._backpropagate(loss[0], retain_graph=True)
+        for samples in probe_sets(self._batch):
+            self._probed_samples = samples
+            self._backpropagate(loss[samples].sum(), retain_graph=True)
+            if self._violations:
+                break
         if self._violations:
             raise CoverageError(
                 "per-sample clipping needs each sample's loss to depend on its own rows only (dim 0 of every "
                 "trainable layer's input and of every op using a parameter is the batch, or the batch with each "
                 "sample's rows folded in, sample by sample), but backpropagating "
-                "sample 0's loss alone:\n"
+                f"the loss of sample(s) {', '.join(map(str, self._probed_samples))} alone:\n"
                 + "\n".join(f"  {v}" for v in dict.fromkeys(self._violations))
-                + "\nCauses: statistics over the batch, a sequence-first layout (batch_first=False), or a "
-                "parameter combined with a tensor that has no batch dimension before it meets the batch"
+                + "\nCauses: statistics over the batch, a sequence-first layout (batch_first=False), a sample "
+                "reading another (a sum or shift over the batch), or a parameter combined with a tensor that has "
+                "no batch dimension before it meets the batch"
             )
 
     def _backpropagate(self, scalar: Tensor, retain_graph: bool = False) -> None:
@@ -543,7 +558,7 @@ class DPEngine:
 
     def _probe_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:
         for grad in grads:
-            violation = row_violation(grad, self._batch, 0)
+            violation = row_violation(grad, self._batch, self._probed_samples)
             if violation is not None:
                 self._violations.append(f"{where}: {violation}")
 

@@ -6,7 +6,8 @@ backpropagate the graph twice, the first pass retaining everything it saved and 
 parameter gradients; bookkeeping keeps each clipped layer's saved input and output gradient
 until the backward ends (except inside full checkpoints, which it replays: ``replay.py``), then
 forms the parameter gradients one layer at a time; every mode
-probes per-sample independence with one extra retained pass on a new graph structure.
+probes per-sample independence with extra retained passes on a new graph structure (their
+peak is that of one: the simulator runs one).
 
 The planner must simulate *that* step, or a plan made with an engine attached overshoots its
 budget. So whoever changes the step registers a :class:`StepModel` for the module

@@ -238,8 +238,8 @@ class DPEngine:
         """The exact peaks of this layer's norm and clipped sum above their inputs, and their times,
         on stand-ins laid out as the profiled tensors (the planner calls it after its profile; None
         under a running CPU profiler), run by the code the step runs for a batch of ``batch``
-        (rows folded into it take the per-row path). The clipped sum's own result (the parameter
-        gradients) is left out of its peak."""
+        (rows folded into it merged, or per row where the handler cannot merge them). The clipped
+        sum's own result (the parameter gradients) is left out of its peak."""
         grad_output, *stand_ins = (layout.materialise() for layout in layouts)
         if grad_output.device.type == "cpu" and profiler_active():
             return None

@@ -36,16 +36,9 @@ class OuterProductHandler(LayerHandler):
         """``a: [B, K, T, d]`` and ``g: [B, K, T, p]`` (K groups) in float32."""
         raise NotImplementedError
 
-    def per_sample_bias_grads(self, grad_output: Tensor) -> Tensor:
+    def per_sample_bias_grads(self, module: nn.Module, grad_output: Tensor) -> Tensor:
         """``[B, out]``: the output gradient summed over every position."""
-        batch, out_features = grad_output.shape[0], self.bias_features(grad_output)
-        return self.features_last(grad_output).reshape(batch, -1, out_features).float().sum(dim=1)
-
-    def bias_features(self, grad_output: Tensor) -> int:
-        return grad_output.shape[-1]
-
-    def features_last(self, grad_output: Tensor) -> Tensor:
-        return grad_output
+        return grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1]).float().sum(dim=1)
 
     def ghost_cheaper(self, module: nn.Module, x: Sequence[int], output: Sequence[int]) -> bool:
         """The per-layer choice: ghost norm when 2T² < p·d, else the materialised gradient."""
@@ -88,7 +81,7 @@ class OuterProductHandler(LayerHandler):
         if "weight" in params:
             total += self.weight_norm_sq(module, saved, grad_output, method)
         if "bias" in params:
-            total += self.per_sample_bias_grads(grad_output).square().sum(dim=1)
+            total += self.per_sample_bias_grads(module, grad_output).square().sum(dim=1)
         return total
 
     def per_sample_grads(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor) -> Grads:
@@ -96,7 +89,7 @@ class OuterProductHandler(LayerHandler):
         if "weight" in params:
             grads["weight"] = self.weight_per_sample(module, saved, grad_output)
         if "bias" in params:
-            grads["bias"] = self.per_sample_bias_grads(grad_output)
+            grads["bias"] = self.per_sample_bias_grads(module, grad_output)
         return grads
 
     def clipped_sum(self, module: nn.Module, saved: tuple[Tensor, ...], grad_output: Tensor, coef: Tensor) -> Grads:
@@ -104,7 +97,7 @@ class OuterProductHandler(LayerHandler):
         if "weight" in params:
             grads["weight"] = self.weight_clipped_sum(module, saved, grad_output, coef)
         if "bias" in params:
-            grads["bias"] = coef @ self.per_sample_bias_grads(grad_output)
+            grads["bias"] = coef @ self.per_sample_bias_grads(module, grad_output)
         return grads
 
 

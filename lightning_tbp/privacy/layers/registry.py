@@ -58,16 +58,19 @@ class LayerHandler(ABC):
         """``Σ_i coef_i ∇_i`` per trainable parameter, in the parameter's shape."""
 
     def row_features(self, module: nn.Module) -> tuple[int, int] | None:
-        """How many trailing dimensions of the saved input and of the output gradient are features,
-        where every dimension before them is a position to the layer's parameters; None (the
-        default) where dim 0 is not a position (a convolution's, a group norm's).
+        """How many trailing dimensions of the saved input and of the output gradient make one row,
+        where the layer's weight gradient sums over every dimension before them (a Linear's
+        positions, a convolution's batch); None (the default) where the rows of dim 0 are not
+        summed alike (a group norm's statistics are per row).
 
         A call whose dim 0 holds each sample's rows folded in (``k·batch`` rows, sample-major:
-        ``coverage.rows_per_sample``) is then taken with ``batch`` rows, each sample's rows
-        becoming more of its positions: the layer's usual norm (a ghost norm, or ``batch``
-        materialised gradients) instead of per-row gradients, ``k`` times larger, summed per
-        sample. Handlers that give it save tensors laid out as the input (statistics with size-1
-        feature dimensions), each merged alike."""
+        ``coverage.rows_per_sample``) is then taken as ``[batch, k, ...rows]`` merged over the
+        dimensions before the row, each sample's rows becoming more of its positions: the layer's
+        usual norm (a ghost norm, or ``batch`` materialised gradients) instead of per-row
+        gradients, ``k`` times larger, summed per sample. A Linear reads the merged call as it
+        reads any input; a convolution takes the extra dimension as frames. Handlers that give it
+        save tensors laid out as the input (statistics with size-1 feature dimensions), each
+        merged alike."""
         return None
 
     def workspace_bytes(

@@ -11,6 +11,7 @@ joint-attention streams, the temporal axis) is the full models'.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -345,14 +346,14 @@ def _reference_unet() -> nn.Module:
     return UNet2DModel(**REFERENCE_UNET, sample_size=64)
 
 
-def _video_unet() -> nn.Module:
+def _video_unet(channels: tuple[int, int] = (32, 64)) -> nn.Module:
     from diffusers import UNet3DConditionModel
 
     return UNet3DConditionModel(
         sample_size=16,
         in_channels=4,
         out_channels=4,
-        block_out_channels=(32, 64),
+        block_out_channels=channels,
         layers_per_block=1,
         down_block_types=("CrossAttnDownBlock3D", "DownBlock3D"),
         up_block_types=("UpBlock3D", "CrossAttnUpBlock3D"),
@@ -362,18 +363,29 @@ def _video_unet() -> nn.Module:
     )
 
 
-def _video_unet_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
-    video = _randn(generator, batch, 4, 3, 16, 16)  # 3 frames
-    return (video, _timesteps(generator, batch)), {"encoder_hidden_states": _randn(generator, batch, 5, 16)}
+def _video_inputs(frames: int, size: int) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
+    def inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+        video = _randn(generator, batch, 4, frames, size, size)
+        return (video, _timesteps(generator, batch)), {"encoder_hidden_states": _randn(generator, batch, 5, 16)}
+
+    return inputs
 
 
 #: Benchmarked on request (``zoo.py --arch``, ``dp_zoo.py --arch``) but not part of the zoo the
 #: tests sweep: the reference U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak
 #: in interleaved rounds; a video U-Net whose layers run on frames and positions folded into the
-#: batch (the DP engine's folded rows, ``docs/privacy.md``; the DP tests build it too).
+#: batch (the DP engine's folded rows, ``docs/privacy.md``; the DP tests build it too), and a
+#: wider one (channels 128/256, 8 frames of 8x8, ~20M parameters) whose convolutions' per-sample
+#: gradients are large next to its activations, as in real video models.
 BENCH_ONLY = {
     "reference_unet": Architecture(
         "reference_unet", "reference UNet2DModel, 64x64", _reference_unet, _image_inputs(3, 64)
     ),
-    "video_unet": Architecture("video_unet", "UNet3DCondition (video, folds)", _video_unet, _video_unet_inputs),
+    "video_unet": Architecture("video_unet", "UNet3DCondition (video, folds)", _video_unet, _video_inputs(3, 16)),
+    "video_unet_wide": Architecture(
+        "video_unet_wide",
+        "UNet3DCondition 128/256, 8 frames of 8x8",
+        functools.partial(_video_unet, (128, 256)),
+        _video_inputs(8, 8),
+    ),
 }

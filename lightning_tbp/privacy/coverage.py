@@ -238,7 +238,7 @@ def row_violation(grad: Tensor, batch: int, probed: Sequence[int]) -> str | None
     if not bool(reached.any()):
         return None
     sample = int(reached.nonzero()[0])
-    which = f"rows of sample {sample} receive gradient from the loss of sample(s) {_listed(probed)}"
+    which = f"rows of sample {sample} receive gradient from the loss of sample(s) {listed_samples(probed)}"
     if rows > 1:
         return (
             f"{which} (dim 0 holds {rows} rows per sample, which must be grouped by sample: reshape a "
@@ -247,6 +247,7 @@ def row_violation(grad: Tensor, batch: int, probed: Sequence[int]) -> str | None
     return which
 
 
-def _listed(samples: Sequence[int], shown: int = 8) -> str:
+def listed_samples(samples: Sequence[int], shown: int = 8) -> str:
+    """Sample indices for a message, the first ``shown`` of them."""
     head = ", ".join(str(s) for s in samples[:shown])
     return head if len(samples) <= shown else f"{head}, … ({len(samples)} samples)"

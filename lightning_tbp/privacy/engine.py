@@ -43,6 +43,7 @@ from lightning_tbp.compat import storage_key
 from lightning_tbp.memory.meters import garbage_collection_held, profiler_active
 from lightning_tbp.privacy.coverage import (
     check_batch_norms,
+    listed_samples,
     probe_sets,
     row_violation,
     rows_per_sample,
@@ -400,7 +401,7 @@ class DPEngine:
                 "per-sample clipping needs each sample's loss to depend on its own rows only (dim 0 of every "
                 "trainable layer's input and of every op using a parameter is the batch, or the batch with each "
                 "sample's rows folded in, sample by sample), but backpropagating "
-                f"the loss of sample(s) {', '.join(map(str, self._probed_samples))} alone:\n"
+                f"the loss of sample(s) {listed_samples(self._probed_samples)} alone:\n"
                 + "\n".join(f"  {v}" for v in dict.fromkeys(self._violations))
                 + "\nCauses: statistics over the batch, a sequence-first layout (batch_first=False), a sample "
                 "reading another (a sum or shift over the batch), or a parameter combined with a tensor that has "

@@ -44,8 +44,7 @@ class ConvHandler(OuterProductHandler):
     def operand_shapes(
         self, module: nn.Module, x: Sequence[int], output: Sequence[int]
     ) -> tuple[int, int, int, int, int]:
-        batch, groups = x[0], module.groups
-        frames = x[1] if len(x) == len(module.kernel_size) + 3 else 1
+        batch, groups, frames = x[0], module.groups, _frames(module, x)
         patch = module.in_channels // groups * math.prod(module.kernel_size)
         positions = frames * math.prod(output[-len(module.kernel_size) :])
         return batch, groups, positions, patch, module.out_channels // groups
@@ -118,7 +117,7 @@ class ConvHandler(OuterProductHandler):
         batch, groups, positions, in_features, out_features = self.operand_shapes(module, x, output)
         unfolded = 4 * batch * groups * positions * (in_features + out_features)
         per_sample = 4 * batch * module.weight.numel()
-        frames = x[1] if len(x) == len(module.kernel_size) + 3 else 1
+        frames = _frames(module, x)
         # a folded call copies one frame of the input and output gradient for the kernel, and its
         # unfolded operands once more to put each sample's frames beside its positions
         frame_copy = 4 * (math.prod(x) + math.prod(output)) // frames if frames > 1 else 0
@@ -146,3 +145,9 @@ class ConvHandler(OuterProductHandler):
         a = patches.view(batch, frames, groups, -1, patches.shape[-1]).permute(0, 2, 1, 4, 3)
         g = g.float().reshape(batch, frames, groups, module.out_channels // groups, -1).permute(0, 2, 1, 4, 3)
         return a.flatten(2, 3), g.flatten(2, 3)
+
+
+def _frames(module: nn.Module, shape: Sequence[int]) -> int:
+    """How many frames of each sample a call holds: dim 1 of a merged folded call
+    (``[batch, frames, C, *spatial]``, ``row_features``), else 1."""
+    return shape[1] if len(shape) == len(module.kernel_size) + 3 else 1

@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -256,15 +256,46 @@ class DPEngine:
             ones = coef[: merged_grad.shape[0]]
             grads.update(slot.handler.clipped_sum(module, merged_saved, merged_grad, ones))
 
-        device = grad_output.device
-        with torch.no_grad(), garbage_collection_held(collect=False):
-            norm_first_ns, norm = first_run(norms, device)  # (also the timings' warm-up)
-            sum_first_ns, summed = first_run(clipped_sum, device)
-            sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
-            grads.clear()
-            norm_ns = best_ns(norms, device, warm_up_ns=norm_first_ns)
-            sum_ns = best_ns(clipped_sum, device, warm_up_ns=sum_first_ns)
-        return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
+        return _metered(norms, clipped_sum, grads, grad_output.device)
+
+    def use_meter(self, use: RawUse, outputs: tuple[Tensor, ...], saved: tuple[Tensor, ...]) -> tuple[Callable, tuple]:
+        """A meter for a tracked use's transients (see ``_meter_use``) and the key of uses that
+        measure alike. Its per-sample VJP runs the op forward again: for a convolution no handler
+        knows, an output-sized transient that a formula from the parameters' sizes missed (a
+        lazy block over such layers measured 1.13x its plan)."""
+        rows = outputs[0].shape[0]
+        batch = self._forward_batch if self._forward_batch and rows % self._forward_batch == 0 else rows
+        layouts = tuple(TensorSpec.of(t) for t in (*outputs, *saved))
+        params = tuple((tuple(p.shape), p.dtype) for p in use.params)
+        key = (use.func, use.rowwise, use.recipe_key(), params, layouts, batch)
+        return functools.partial(self._meter_use, use, layouts, len(outputs), batch), key
+
+    def _meter_use(
+        self, use: RawUse, layouts: tuple[TensorSpec, ...], outputs: int, batch: int
+    ) -> tuple[int, int, float, float] | None:
+        """The exact peaks of a tracked use's per-sample norms and its summed gradients above their
+        inputs, and their times, on stand-ins laid out as the profiled tensors, by the code the
+        step runs (as ``_meter_tap`` for a handler's layer)."""
+        stand_ins = tuple(layout.materialise() for layout in layouts)
+        grads_out, saved = stand_ins[:outputs], stand_ins[outputs:]
+        if grads_out[0].device.type == "cpu" and profiler_active():
+            return None
+        grads: dict[nn.Parameter, Tensor] = {}
+        # bookkeeping's book scales the output gradients by the clipping coefficients first (a
+        # copy, see ``_clipped_sum``); a second pass receives them scaled already
+        booked = STEP_PASSES[self.mode] == 1
+        ones = torch.ones(grads_out[0].shape[0], device=grads_out[0].device)
+
+        def norms() -> None:
+            sum(
+                g.flatten(1).float().square().sum(dim=1) for g in _use_per_sample(use, saved, grads_out, batch).values()
+            )
+
+        def summed() -> None:
+            scaled = tuple(_rows_scaled(g, ones) for g in grads_out) if booked else grads_out
+            grads.update(use.summed_grads(saved, scaled))
+
+        return _metered(norms, summed, grads, grads_out[0].device)
 
     def step_model(self) -> StepModel:
         """The backward passes of a step under this engine, for the rematerialization planner."""
@@ -504,8 +535,7 @@ class DPEngine:
             for param, grad in use.summed_grads(saved, grads).items():
                 self._add_grad(param, grad)
             return
-        per_row = use.per_sample_grads(saved, grads, grads[0].shape[0])
-        per_sample = {param: _summed_rows(grad, self._batch) for param, grad in per_row.items()}
+        per_sample = _use_per_sample(use, saved, grads, self._batch)
         if any(id(p) in self._materialise for p in use.params):
             self._add_pending(per_sample)
         else:
@@ -598,7 +628,7 @@ class DPEngine:
 
     def _weighted(self, grad: Tensor, coef: Tensor) -> Tensor:
         """An output gradient with each row scaled by its sample's clipping coefficient."""
-        return grad * self._per_row(coef, grad.shape[0]).to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
+        return _rows_scaled(grad, self._per_row(coef, grad.shape[0]))
 
     def _add_pending(self, grads: dict[nn.Parameter, Tensor]) -> None:
         for param, grad in grads.items():
@@ -657,6 +687,35 @@ def _merged_shape(shape: Sequence[int], batch: int, features: int) -> tuple[int,
     """``shape`` with its sample-major rows and positions merged into ``[batch, positions, *features]``."""
     positions = len(shape) - features
     return (batch, math.prod(shape[:positions]) // batch, *shape[positions:])
+
+
+def _metered(
+    norms: Callable[[], None], clipped_sum: Callable[[], None], grads: dict, device: torch.device
+) -> tuple[int, int, float, float]:
+    """(norm peak, sum peak, norm ns, sum ns) of a tapped layer's two computations, measured
+    exactly; ``clipped_sum`` leaves its result in ``grads``, which is left out of its peak."""
+    with torch.no_grad(), garbage_collection_held(collect=False):
+        norm_first_ns, norm = first_run(norms, device)  # (also the timings' warm-up)
+        sum_first_ns, summed = first_run(clipped_sum, device)
+        sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))
+        grads.clear()
+        norm_ns = best_ns(norms, device, warm_up_ns=norm_first_ns)
+        sum_ns = best_ns(clipped_sum, device, warm_up_ns=sum_first_ns)
+    return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
+
+
+def _rows_scaled(grad: Tensor, per_row: Tensor) -> Tensor:
+    """``grad`` with row ``r`` multiplied by ``per_row[r]`` (a new tensor)."""
+    return grad * per_row.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
+
+
+def _use_per_sample(
+    use: RawUse, saved: tuple[Tensor, ...], grads: tuple[Tensor, ...], batch: int
+) -> dict[nn.Parameter, Tensor]:
+    """A tracked use's per-sample gradients, ``[batch, *shape]``: per row, then summed over each
+    sample's rows. The step and the use meter both run it."""
+    per_row = use.per_sample_grads(saved, grads, grads[0].shape[0])
+    return {param: _summed_rows(grad, batch) for param, grad in per_row.items()}
 
 
 def _summed_rows(grad: Tensor, batch: int) -> Tensor:

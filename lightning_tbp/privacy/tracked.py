@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_tbp.compat import make_leaf_subclass, tree_flatten, tree_map
 from lightning_tbp.privacy.errors import CoverageError
 from lightning_tbp.remat.replay import recorded_call, replayed
-from lightning_tbp.remat.step import TapNote, note_tap
+from lightning_tbp.remat.step import TapNote, note_tap, profiling_taps
 
 #: Ops whose output row i depends only on row i of each batched input (dim 0 kept): their
 #: per-sample VJPs are computed one row at a time (cost ~ one VJP of the op). Others are masked.
@@ -279,7 +279,10 @@ def _use(func: Any, args: tuple, kwargs: dict, tracked: list[TrackedTensor], own
     batch = first.shape[0] if first.dim() else 1
     masked = 0 if use.rowwise else min(MASKED_CHUNK_BYTES, batch * first.numel() * 4)
     per_sample = 2 * batch * parameter_bytes + masked
-    note_tap(TapNote(tuple(saved), first, per_sample, sum(t.numel() * 4 for t in tapped), parameter_bytes))
+    note = TapNote(tuple(saved), first, per_sample, sum(t.numel() * 4 for t in tapped), parameter_bytes)
+    if profiling_taps():  # the formulas above stand only where the meter cannot run
+        note.meter, note.meter_key = owner.use_meter(use, tapped, tuple(saved))
+    note_tap(note)
     if not use.tuple_output:
         return tapped[0]
     result = list(outputs)
@@ -307,6 +310,14 @@ class RawUse:
     @property
     def op_name(self) -> str:
         return getattr(self.func, "__name__", None) or repr(self.func)
+
+    def recipe_key(self) -> str:
+        """The op's non-tensor arguments, with placeholders for what enters as tensors: uses with
+        equal keys, layouts and parameter shapes compute alike."""
+        described = tree_map(
+            lambda x: type(x).__name__ if _is_placeholder(x) else x, (self.args, self.kwargs), is_leaf=_is_placeholder
+        )
+        return repr(described)
 
     def call(self, values: tuple[Tensor, ...], saved: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         """The op's differentiable outputs as a function of the parameters' values."""

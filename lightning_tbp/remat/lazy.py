@@ -41,6 +41,8 @@ RECOMPUTABLE = frozenset(
         aten.mul,
         aten.div,
         aten.clone,
+        aten.detach,
+        aten.alias,
         aten.view,
         aten._unsafe_view,
         aten.unsqueeze,

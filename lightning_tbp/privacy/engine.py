@@ -281,19 +281,14 @@ class DPEngine:
         if grads_out[0].device.type == "cpu" and profiler_active():
             return None
         grads: dict[nn.Parameter, Tensor] = {}
-        # bookkeeping's book scales the output gradients by the clipping coefficients first (a
-        # copy, see ``_clipped_sum``); a second pass receives them scaled already
-        booked = STEP_PASSES[self.mode] == 1
-        ones = torch.ones(grads_out[0].shape[0], device=grads_out[0].device)
 
         def norms() -> None:
             sum(
                 g.flatten(1).float().square().sum(dim=1) for g in _use_per_sample(use, saved, grads_out, batch).values()
             )
 
-        def summed() -> None:
-            scaled = tuple(_rows_scaled(g, ones) for g in grads_out) if booked else grads_out
-            grads.update(use.summed_grads(saved, scaled))
+        def summed() -> None:  # (the book's scaled copy of ``grads_out`` is ``TapNote.book_copy_bytes``)
+            grads.update(use.summed_grads(saved, grads_out))
 
         return _metered(norms, summed, grads, grads_out[0].device)
 
@@ -628,7 +623,7 @@ class DPEngine:
 
     def _weighted(self, grad: Tensor, coef: Tensor) -> Tensor:
         """An output gradient with each row scaled by its sample's clipping coefficient."""
-        return _rows_scaled(grad, self._per_row(coef, grad.shape[0]))
+        return grad * self._per_row(coef, grad.shape[0]).to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
 
     def _add_pending(self, grads: dict[nn.Parameter, Tensor]) -> None:
         for param, grad in grads.items():
@@ -702,11 +697,6 @@ def _metered(
         norm_ns = best_ns(norms, device, warm_up_ns=norm_first_ns)
         sum_ns = best_ns(clipped_sum, device, warm_up_ns=sum_first_ns)
     return norm.peak_bytes, sum_bytes, float(norm_ns), float(sum_ns)
-
-
-def _rows_scaled(grad: Tensor, per_row: Tensor) -> Tensor:
-    """``grad`` with row ``r`` multiplied by ``per_row[r]`` (a new tensor)."""
-    return grad * per_row.to(grad.dtype).view(-1, *([1] * (grad.dim() - 1)))
 
 
 def _use_per_sample(

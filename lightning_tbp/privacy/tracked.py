@@ -279,7 +279,8 @@ def _use(func: Any, args: tuple, kwargs: dict, tracked: list[TrackedTensor], own
     batch = first.shape[0] if first.dim() else 1
     masked = 0 if use.rowwise else min(MASKED_CHUNK_BYTES, batch * first.numel() * 4)
     per_sample = 2 * batch * parameter_bytes + masked
-    note = TapNote(tuple(saved), first, per_sample, sum(t.numel() * 4 for t in tapped), parameter_bytes)
+    output_bytes = sum(t.numel() * t.element_size() for t in tapped)
+    note = TapNote(tuple(saved), first, per_sample, output_bytes, parameter_bytes, book_copy_bytes=output_bytes)
     if profiling_taps():  # the formulas above stand only where the meter cannot run
         note.meter, note.meter_key = owner.use_meter(use, tapped, tuple(saved))
     note_tap(note)

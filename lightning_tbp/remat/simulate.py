@@ -779,9 +779,10 @@ class _Replay:
         self.mem -= sum(self.pending.values())  # the norms are known: summed per-sample gradients go
         self.pending = {}
         for holds, grad, tap in self.book:
-            self.mem += tap.parameter_bytes + tap.sum_bytes
+            transient = tap.sum_bytes + tap.book_copy_bytes
+            self.mem += tap.parameter_bytes + transient
             self.tick()
-            self.mem -= tap.sum_bytes
+            self.mem -= transient
             self.release(holds)
             self.booked_grads.discard(grad)
             self.free_grad(grad)

@@ -74,6 +74,10 @@ class TapNote:
     parameter_bytes: int  # the gradients its clipped sum writes
     layer: int = 0  # which layer: a layer tapped twice keeps per-sample gradients through the norms pass
     per_sample_bytes: int = 0  # those per-sample gradients (batch x its parameters)
+    book_copy_bytes: int = 0
+    """What a booked entry allocates before its clipped sum: a tracked use's output gradients
+    scaled by the clipping coefficients (a handler scales inside its sum, which its meter counts;
+    a replayed block's layers receive them scaled)."""
     event: int = -1
     saved_sids: tuple[int, ...] = ()
     output_sid: int = -1

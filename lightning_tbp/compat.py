@@ -47,6 +47,12 @@ def op_schema(op: OpOverload) -> Any:
     return op._schema
 
 
+def is_view_op(op: Any) -> bool:
+    """Whether ``op`` returns a view of an input (no write, no new storage): ``OpOverload.is_view``,
+    derived from its schema's alias annotations; an in-place op is not a view."""
+    return bool(getattr(op, "is_view", False))
+
+
 def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way.
 

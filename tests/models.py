@@ -167,3 +167,35 @@ class Denoiser(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class WritesAndViews(torch.nn.Module):
+    """Cheap ops whose outputs are written in place (``mul_``, ``+=`` through a slice, an in-place
+    ReLU) or saved through views (chunks, a transpose): what a lazy block rebuilds must be what
+    autograd saved."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(4, channels)
+        self.conv = torch.nn.Conv2d(channels, 2 * channels, 3, padding=1)
+        self.act = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.silu(self.norm(x))
+        h.mul_(2.0)
+        h[:, :4] += 1.0
+        a, b = self.act(self.conv(h) * 0.5).chunk(2, dim=1)
+        return x + a * torch.sigmoid(b).transpose(2, 3)
+
+
+class ChunkedGate(torch.nn.Module):
+    """A gate made of two chunks of one SiLU output: the product saves both views."""
+
+    def __init__(self, channels: int = 16) -> None:
+        super().__init__()
+        self.proj = torch.nn.Conv2d(channels, 2 * channels, 1)
+        self.norm = torch.nn.GroupNorm(4, 2 * channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = torch.nn.functional.silu(self.norm(self.proj(x))).chunk(2, dim=1)
+        return x + a * b

@@ -332,8 +332,9 @@ class Simulator:
     def lazy_leaves(self, sid: int, block: int) -> tuple[list[int], int, float]:
         """What a lazy ``block`` keeps for saved storage ``sid``: (leaves, rebuild bytes, rebuild cost).
 
-        Mirrors ``lazy.py``: a storage made by a recomputable op inside the block is rebuilt from
-        its inputs, recursively; anything else (and any small tensor) is kept as it is. Rebuilding
+        Mirrors ``lazy.py``: a storage made by a recomputable op inside the block, and not changed
+        in place since, is rebuilt from its inputs, recursively; anything else (and any small
+        tensor) is kept as it is. Rebuilding
         materialises the op's recipe inputs one after another, then the op's output, and drops the
         inputs: the rebuild's peak is that of the deepest input plus the inputs built before it,
         or all inputs and the output together (so a long chain costs two tensors, not its length).
@@ -341,7 +342,7 @@ class Simulator:
         trace = self.trace
         producer = trace.storage_producer[sid]
         lo, hi = self.first[block], self.last[block]
-        if producer < lo or producer > hi or not trace.event_recomputable[producer]:
+        if producer < lo or producer > hi or not trace.event_recomputable[producer] or trace.storage_written[sid]:
             return [sid], 0, 0.0
         leaves: list[int] = []
         built, peak, cost = 0, 0, trace.event_cost[producer]

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten
+from lightning_tbp.compat import TorchDispatchMode, is_view_op, storage_key, tree_flatten
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
@@ -80,6 +80,7 @@ class Trace:
     storage_needs_grad: list[bool] = field(default_factory=list)
     storage_is_activation: list[bool] = field(default_factory=list)  # False: parameter/buffer/input
     storage_producer: list[int] = field(default_factory=list)  # event index, -1 if made outside
+    storage_written: list[bool] = field(default_factory=list)  # changed in place after it was made
     # Index of the last event before the storage's last Python reference went away (observed,
     # not inferred: the profiling forward saves nothing, so only Python keeps tensors alive);
     # -1 while alive at the end of the forward.
@@ -201,6 +202,7 @@ class _Recorder(TorchDispatchMode):
         trace.storage_needs_grad.append(False)
         trace.storage_is_activation.append(activation)
         trace.storage_producer.append(producer)
+        trace.storage_written.append(False)
         trace.storage_death.append(-1)
         self.key_to_sid[key] = sid
         return sid
@@ -242,6 +244,8 @@ class _Recorder(TorchDispatchMode):
             sid = self.key_to_sid.get(key)
             if sid is not None and sid in input_set:
                 output_sids.append(sid)
+                # an in-place result (not a view): a lazy block no longer rebuilds that storage
+                trace.storage_written[sid] = trace.storage_written[sid] or not is_view_op(func)
                 if trace.storage_is_activation[sid]:
                     self.watch(tensor, sid)
                 continue  # a view or an in-place result: same storage as an input

@@ -53,6 +53,13 @@ def is_view_op(op: Any) -> bool:
     return bool(getattr(op, "is_view", False))
 
 
+def writes_input(op: Any) -> bool:
+    """Whether ``op`` writes into an input (an in-place or ``out=`` op), by its schema's alias
+    annotations; ``_unsafe_view`` shares its input's storage without being a view or a write."""
+    schema = getattr(op, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
 def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way.
 

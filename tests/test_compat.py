@@ -42,6 +42,8 @@ def test_dispatch_modes_see_aten_ops_with_packet_and_schema() -> None:
     assert compat.op_schema(transpose).returns[0].alias_info is not None  # a view
     assert compat.is_view_op(transpose) and not compat.is_view_op(seen[0])
     assert not compat.is_view_op(torch.ops.aten.add_.Tensor)  # writes its input: not a view
+    assert compat.writes_input(torch.ops.aten.add_.Tensor) and compat.writes_input(torch.ops.aten.add.out)
+    assert not compat.writes_input(torch.ops.aten._unsafe_view.default) and not compat.writes_input(transpose)
 
 
 def test_profiler_memory_events_carry_device_types() -> None:

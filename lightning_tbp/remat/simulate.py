@@ -334,10 +334,10 @@ class Simulator:
 
         Mirrors ``lazy.py``: a storage made by a recomputable op inside the block, and not changed
         in place since, is rebuilt from its inputs, recursively; anything else (and any small
-        tensor) is kept as it is. Rebuilding
-        materialises the op's recipe inputs one after another, then the op's output, and drops the
-        inputs: the rebuild's peak is that of the deepest input plus the inputs built before it,
-        or all inputs and the output together (so a long chain costs two tensors, not its length).
+        tensor) is kept as it is. Rebuilding materialises the op's recipe inputs one after
+        another, then the op's output, and drops the inputs: the rebuild's peak is that of the
+        deepest input plus the inputs built before it, or all inputs and the output together (so
+        a long chain costs two tensors, not its length).
         """
         trace = self.trace
         producer = trace.storage_producer[sid]

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, is_view_op, storage_key, tree_flatten
+from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten, writes_input
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
@@ -244,8 +244,8 @@ class _Recorder(TorchDispatchMode):
             sid = self.key_to_sid.get(key)
             if sid is not None and sid in input_set:
                 output_sids.append(sid)
-                # an in-place result (not a view): a lazy block no longer rebuilds that storage
-                trace.storage_written[sid] = trace.storage_written[sid] or not is_view_op(func)
+                # an in-place write: a lazy block no longer rebuilds that storage
+                trace.storage_written[sid] = trace.storage_written[sid] or writes_input(func)
                 if trace.storage_is_activation[sid]:
                     self.watch(tensor, sid)
                 continue  # a view or an in-place result: same storage as an input

@@ -56,8 +56,7 @@ def is_view_op(op: Any) -> bool:
 def writes_input(op: Any) -> bool:
     """Whether ``op`` writes into an input (an in-place or ``out=`` op), by its schema's alias
     annotations; ``_unsafe_view`` shares its input's storage without being a view or a write."""
-    schema = getattr(op, "_schema", None)
-    return bool(schema is not None and schema.is_mutable)
+    return isinstance(op, OpOverload) and op_schema(op).is_mutable
 
 
 def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:

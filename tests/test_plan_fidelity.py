@@ -42,6 +42,26 @@ def _lowest_budget(model, args, kwargs) -> int:
     return error.value.minimum_budget_bytes
 
 
+def _predicted_and_measured(model, x: torch.Tensor, planned: dict, step) -> tuple[int, int]:
+    """The replay's peak for the blocks ``planned`` (path -> option, the rest kept) under the step
+    model of ``model`` and the assumed loss, and ``step``'s metered peak with those blocks wrapped."""
+    from lightning_tbp.remat.apply import InstalledWrappers
+    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.step import step_model_for
+    from lightning_tbp.remat.trace import record_trace
+
+    trace = record_trace(model, (x,), {})
+    options = [planned.get(node.path, Option.KEEP) for node in trace.nodes]
+    predicted = Simulator(trace, step_model_for(model), trace.assumed_loss_bytes).run(options).peak_bytes
+    wrappers = InstalledWrappers(model, planned, {})
+    wrappers.ensure(planned)
+    try:
+        return predicted, _measured(model, step)
+    finally:
+        wrappers.remove()
+        model.zero_grad(set_to_none=True)
+
+
 @pytest.mark.parametrize("name", ["sd3", "cogvideox", "unet2d"])
 @pytest.mark.parametrize("where", ["half", "lowest"])
 def test_plain_steps_stay_under_budget_and_match_the_prediction(name: str, where: str) -> None:
@@ -133,10 +153,7 @@ def test_lazy_blocks_over_views_and_in_place_writes_are_predicted(block: str, dp
     1.8% low. Lazy blocks now add no error of their own to the prediction: the step with every
     block lazy is off by what the step without a plan is off by (the replay keeps the module's
     output through the backward, which this step frees: one output too many, on the safe side)."""
-    from lightning_tbp.remat.apply import InstalledWrappers
-    from lightning_tbp.remat.simulate import Option, Simulator
-    from lightning_tbp.remat.step import step_model_for
-    from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.simulate import Option
 
     torch.manual_seed(0)
     kind = ChunkedGate if block == "chunks" else WritesAndViews
@@ -154,18 +171,8 @@ def test_lazy_blocks_over_views_and_in_place_writes_are_predicted(block: str, dp
 
     errors = {}
     try:
-        trace = record_trace(model, (x,), {})
-        simulator = Simulator(trace, step_model_for(model), trace.assumed_loss_bytes)
         for option in (Option.KEEP, Option.LAZY):
-            planned = dict.fromkeys(["0", "1", "2"], option)
-            predicted = simulator.run([planned.get(node.path, Option.KEEP) for node in trace.nodes]).peak_bytes
-            wrappers = InstalledWrappers(model, planned, {})
-            wrappers.ensure(planned)
-            try:
-                measured = _measured(model, step)
-            finally:
-                wrappers.remove()
-                model.zero_grad(set_to_none=True)
+            predicted, measured = _predicted_and_measured(model, x, dict.fromkeys(["0", "1", "2"], option), step)
             assert measured <= predicted * 1.005, (option, measured, predicted)
             errors[option] = (measured - predicted, predicted)
     finally:
@@ -198,31 +205,21 @@ def test_blocks_over_tracked_uses_are_predicted_under_dp(mode: str, option: str)
     1.50x (lazy) and 1.11x (full). Bookkeeping's book also scales each use's output gradient
     before its sum (a copy), which the replay of a full block, receiving it scaled, does not
     make: counted for booked entries only (0.93x with it counted in both)."""
-    from lightning_tbp.remat.apply import InstalledWrappers
-    from lightning_tbp.remat.simulate import Option, Simulator
-    from lightning_tbp.remat.step import step_model_for
-    from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.simulate import Option
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(_TemporalStage(16) for _ in range(4)), torch.nn.Conv3d(16, 2, 1))
     x, y = torch.randn(4, 16, 8, 16, 16), torch.randn(4, 2, 8, 16, 16)
     engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
     planned = dict.fromkeys([str(i) for i in range(4)], Option[option])
-    wrappers = InstalledWrappers(model, planned, {})
+
+    def step() -> None:
+        engine.probe_next_step()
+        engine.backward((model(x) - y).square().flatten(1).mean(dim=1))
+
     try:
-        trace = record_trace(model, (x,), {})
-        options = [planned.get(node.path, Option.KEEP) for node in trace.nodes]
-        simulator = Simulator(trace, step_model_for(model), trace.assumed_loss_bytes)
-        predicted = simulator.run(options).peak_bytes
-        wrappers.ensure(planned)
-
-        def step() -> None:
-            engine.probe_next_step()
-            engine.backward((model(x) - y).square().flatten(1).mean(dim=1))
-
-        measured = _measured(model, step)
+        predicted, measured = _predicted_and_measured(model, x, planned, step)
     finally:
-        wrappers.remove()
         engine.detach()
     assert 1 - TOLERANCE <= measured / predicted <= 1.005, (measured, predicted)
 

@@ -199,6 +199,12 @@ class DPEngine:
     def _forget_batch(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._forward_batch = None  # a submodule called on its own folds nothing it can know of
 
+    def _samples_in(self, rows: int) -> int:
+        """The samples a call on ``rows`` rows holds while profiling: the module forward's batch,
+        unless ``rows`` is no multiple of it (then its rows are the batch)."""
+        batch = self._forward_batch
+        return batch if batch and rows % batch == 0 else rows
+
     def _tapped_forward(self, slot: _Slot, x: Tensor) -> Tensor:
         self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
@@ -206,9 +212,7 @@ class DPEngine:
             tapped = _Tap.apply(slot, self.anchor, output, *saved)
             if not profiling_taps():
                 return tapped
-            batch = self._forward_batch
-            if not batch or x.shape[0] % batch:  # no multiple of the call's batch: its rows are the batch
-                batch = x.shape[0]
+            batch = self._samples_in(x.shape[0])
             # the estimate (kept under a running CPU profiler) prices the rows the step runs, from
             # shapes: an op here would be recorded in the profile as the model's
             features = slot.handler.row_features(slot.module) if x.shape[0] != batch else None
@@ -263,8 +267,7 @@ class DPEngine:
         measure alike. Its per-sample VJP runs the op forward again: for a convolution no handler
         knows, an output-sized transient that a formula from the parameters' sizes missed (a
         lazy block over such layers measured 1.13x its plan)."""
-        rows = outputs[0].shape[0]
-        batch = self._forward_batch if self._forward_batch and rows % self._forward_batch == 0 else rows
+        batch = self._samples_in(outputs[0].shape[0])
         layouts = tuple(TensorSpec.of(t) for t in (*outputs, *saved))
         params = tuple((tuple(p.shape), p.dtype) for p in use.params)
         key = (use.func, use.rowwise, use.recipe_key(), params, layouts, batch)

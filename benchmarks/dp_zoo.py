@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from common import device_label, grads_of, measure_step, pyplot, write_result
-from zoo_models import BENCH_ONLY, ZOO, sample
+from zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
-from lightning_tbp.privacy import MODES, PerSampleLossError, attach
+from lightning_tbp.privacy import MODES, CoverageError, PerSampleLossError, attach
 
 BATCH = 4
 
@@ -49,7 +49,7 @@ def largest_difference(grads: dict[str, torch.Tensor], reference: dict[str, torc
 
 
 def run(name: str, mode: str) -> dict[str, Any]:
-    case = {**ZOO, **BENCH_ONLY}[name].case(batch=BATCH)
+    case = {**ZOO, **BENCH_ONLY, **HELD_OUT}[name].case(batch=BATCH)
     model = case.model.eval()  # no dropout: the per-sample loss must not depend on the batch
 
     def plain_step() -> None:
@@ -66,7 +66,7 @@ def run(name: str, mode: str) -> dict[str, Any]:
     try:
         try:
             naive, reference = _measured(model, step)
-        except PerSampleLossError as error:
+        except (CoverageError, PerSampleLossError) as error:  # refused before a gradient is written
             return {"architecture": name, "mode": mode, "refused": str(error).splitlines()[0]}
         try:
             rematerialize(model, *case.args, memory_budget=1, **case.kwargs)
@@ -128,7 +128,7 @@ def plot(result: dict[str, Any]) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY), nargs="*", default=sorted(ZOO))
+    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY | HELD_OUT), nargs="*", default=sorted(ZOO))
     parser.add_argument("--modes", choices=MODES, nargs="*", default=["ghost", "bookkeeping"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()

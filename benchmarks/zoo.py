@@ -19,6 +19,7 @@ the script re-runs itself with glibc's malloc thresholds fixed (``common.STEADY_
 times do not depend on how often a process happens to page-fault its tensors afresh.
 
     python benchmarks/zoo.py --all --out docs/benchmarks/zoo          # every architecture, CPU
+    python benchmarks/zoo.py --all --held-out --out DIR                # the held-out architectures instead
     python benchmarks/zoo.py --arch sd3 --out /tmp/zoo                 # one
     python benchmarks/zoo.py --all --device cuda --out DIR              # on a GPU (CUDA allocator peaks)
     python benchmarks/zoo.py --summarize --out docs/benchmarks/zoo     # summary, table.md and plot of the files there
@@ -40,7 +41,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_label, grads_of, malloc_settings, max_rel_diff, pyplot, run_with_steady_malloc, timed_step
-from zoo_models import BENCH_ONLY, ZOO, ZooCase
+from zoo_models import BENCH_ONLY, HELD_OUT, ZOO, ZooCase
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
@@ -76,7 +77,7 @@ def _grads(case: ZooCase) -> dict[str, torch.Tensor]:
 
 
 def run_architecture(name: str, trials: int, device_name: str = "cpu") -> dict[str, Any]:
-    architecture = {**ZOO, **BENCH_ONLY}[name]
+    architecture = {**ZOO, **BENCH_ONLY, **HELD_OUT}[name]
     case = architecture.case(batch=BATCHES.get(name, 2), device=device_name)
     model = case.model
     device = case.target.device
@@ -245,8 +246,9 @@ def markdown_table(results: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY), help="one architecture, in this process")
+    parser.add_argument("--arch", choices=sorted(ZOO | BENCH_ONLY | HELD_OUT), help="one architecture, in this process")
     parser.add_argument("--all", action="store_true", help="every architecture, each in its own process")
+    parser.add_argument("--held-out", action="store_true", help="--all and --summarize take zoo_models.HELD_OUT")
     parser.add_argument("--summarize", action="store_true", help="summary and plot from the JSON files in --out")
     parser.add_argument("--trials", type=int, default=7, help="interleaved timing rounds")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]: the models and inputs are moved there")
@@ -263,7 +265,7 @@ def main() -> None:
     if not (args.all or args.summarize):
         parser.error("give --arch NAME, --all or --summarize")
     results, failed = [], {}
-    for name in ZOO:
+    for name in HELD_OUT if args.held_out else ZOO:
         if args.all:
             command = [sys.executable, __file__, "--arch", name, "--trials", str(args.trials), "--out", str(args.out)]
             command += ["--device", args.device]

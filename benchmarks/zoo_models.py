@@ -7,6 +7,9 @@ PixArt, Sana), joint text-image attention (SD3, Flux) and a video transformer (C
 
 Widths and resolutions are scaled down; the structure (block types, skip connections, the
 joint-attention streams, the temporal axis) is the full models'.
+
+``HELD_OUT`` holds more architectures that no part of the planner or the DP engine was built or
+tuned on; the tests check every promise on them once (``zoo.py --held-out`` benchmarks them).
 """
 
 from __future__ import annotations
@@ -388,4 +391,188 @@ BENCH_ONLY = {
         functools.partial(_video_unet, (128, 256)),
         _video_inputs(8, 8),
     ),
+}
+
+
+# -- held out: architectures nothing was tuned on --------------------------------------------------
+
+
+def _wan() -> nn.Module:
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=4,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=128,
+        num_layers=3,
+        rope_max_seq_len=64,
+    )
+
+
+def _wan_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    video = _randn(generator, batch, 4, 3, 16, 16)
+    return (video, _timesteps(generator, batch), _randn(generator, batch, 12, 32)), {}
+
+
+def _ltx() -> nn.Module:
+    from diffusers import LTXVideoTransformer3DModel
+
+    return LTXVideoTransformer3DModel(
+        in_channels=8,
+        out_channels=8,
+        num_attention_heads=4,
+        attention_head_dim=16,
+        cross_attention_dim=64,
+        num_layers=3,
+        caption_channels=32,
+    )
+
+
+def _ltx_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    frames, height, width = 3, 8, 8  # latent tokens, packed
+    tokens = _randn(generator, batch, frames * height * width, 8)
+    text, mask = _randn(generator, batch, 12, 32), torch.ones(batch, 12)
+    return (tokens, text, _timesteps(generator, batch), mask), {"num_frames": frames, "height": height, "width": width}
+
+
+def _auraflow() -> nn.Module:
+    from diffusers import AuraFlowTransformer2DModel
+
+    return AuraFlowTransformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        num_mmdit_layers=2,
+        num_single_dit_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        caption_projection_dim=64,
+        out_channels=4,
+        pos_embed_max_size=64,
+    )
+
+
+def _auraflow_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    latents, text = _randn(generator, batch, 4, 16, 16), _randn(generator, batch, 12, 32)
+    return (latents,), {"encoder_hidden_states": text, "timestep": _timesteps(generator, batch)}
+
+
+def _svd_unet() -> nn.Module:
+    from diffusers import UNetSpatioTemporalConditionModel
+
+    return UNetSpatioTemporalConditionModel(
+        sample_size=16,
+        in_channels=8,
+        out_channels=4,
+        down_block_types=("CrossAttnDownBlockSpatioTemporal", "DownBlockSpatioTemporal"),
+        up_block_types=("UpBlockSpatioTemporal", "CrossAttnUpBlockSpatioTemporal"),
+        block_out_channels=(32, 64),
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=24,
+        layers_per_block=1,
+        cross_attention_dim=32,
+        num_attention_heads=(2, 4),
+        num_frames=3,
+    )
+
+
+def _svd_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    video = _randn(generator, batch, 3, 8, 16, 16)  # frames before channels, as SVD takes them
+    image, added_time_ids = _randn(generator, batch, 1, 32), _randn(generator, batch, 3)
+    return (video, _timesteps(generator, batch).float(), image, added_time_ids), {}
+
+
+def _hunyuan_video() -> nn.Module:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    return HunyuanVideoTransformer3DModel(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=4,
+        attention_head_dim=16,
+        num_layers=2,
+        num_single_layers=2,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        text_embed_dim=32,
+        pooled_projection_dim=32,
+        rope_axes_dim=(4, 6, 6),
+        guidance_embeds=True,
+    )
+
+
+def _hunyuan_video_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    video, text = _randn(generator, batch, 4, 3, 16, 16), _randn(generator, batch, 12, 32)
+    pooled = _randn(generator, batch, 32)
+    guidance = torch.full((batch,), 3500.0)
+    return (video, _timesteps(generator, batch), text, torch.ones(batch, 12), pooled), {"guidance": guidance}
+
+
+def _lumina2() -> nn.Module:
+    from diffusers import Lumina2Transformer2DModel
+
+    return Lumina2Transformer2DModel(
+        sample_size=16,
+        patch_size=2,
+        in_channels=4,
+        hidden_size=64,
+        num_layers=3,
+        num_refiner_layers=1,
+        num_attention_heads=4,
+        num_kv_heads=2,
+        multiple_of=16,
+        axes_dim_rope=(4, 6, 6),
+        axes_lens=(64, 32, 32),
+        cap_feat_dim=32,
+    )
+
+
+def _lumina2_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    text, mask = _randn(generator, batch, 12, 32), torch.ones(batch, 12, dtype=torch.bool)
+    return (_randn(generator, batch, 4, 16, 16), torch.rand(batch, generator=generator), text, mask), {}
+
+
+def _qwen_image() -> nn.Module:
+    from diffusers import QwenImageTransformer2DModel
+
+    return QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,
+        out_channels=4,
+        num_layers=3,
+        attention_head_dim=16,
+        num_attention_heads=4,
+        joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6),
+    )
+
+
+def _qwen_image_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    latents = _randn(generator, batch, 64, 16)  # an 8x8 grid of packed 2x2 patches
+    return (latents,), {
+        "encoder_hidden_states": _randn(generator, batch, 12, 32),
+        "encoder_hidden_states_mask": torch.ones(batch, 12),
+        "timestep": torch.rand(batch, generator=generator),
+        "img_shapes": [[(1, 8, 8)]] * batch,
+    }
+
+
+HELD_OUT = {
+    arch.name: arch
+    for arch in (
+        Architecture("wan", "Wan 2.x (video transformer, 3-D RoPE)", _wan, _wan_inputs),
+        Architecture("ltx", "LTX-Video (video transformer)", _ltx, _ltx_inputs),
+        Architecture("auraflow", "AuraFlow (MMDiT, cropped learned positions)", _auraflow, _auraflow_inputs),
+        Architecture("svd_unet", "Stable Video Diffusion U-Net (spatio-temporal)", _svd_unet, _svd_inputs),
+        Architecture("hunyuan_video", "HunyuanVideo (token refiner, guidance)", _hunyuan_video, _hunyuan_video_inputs),
+        Architecture("lumina2", "Lumina 2 (grouped-query attention, caption refiner)", _lumina2, _lumina2_inputs),
+        Architecture("qwen_image", "Qwen-Image (MMDiT)", _qwen_image, _qwen_image_inputs),
+    )
 }

@@ -22,6 +22,24 @@ def per_sample_grads(model: nn.Module, loss_fn: Callable[[nn.Module, dict], Tens
     return vmap(grad(one), in_dims=(None, 0), randomness="same")(params, batch)
 
 
+def per_sample_grads_looped(
+    model: nn.Module, loss_fn: Callable[[nn.Module, dict], Tensor], batch: dict
+) -> dict[str, Tensor]:
+    """The same as :func:`per_sample_grads`, one backward per sample: for models ``vmap`` cannot
+    run (Lumina 2 reads each caption's length from its mask with a data-dependent op). A parameter
+    the sample's loss does not reach gets zeros."""
+    size = len(next(iter(batch.values())))
+    grads: dict[str, list[Tensor]] = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for i in range(size):
+        model.zero_grad(set_to_none=True)
+        loss_fn(model, {k: v[i : i + 1] for k, v in batch.items()}).sum().backward()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                grads[name].append(param.grad.clone() if param.grad is not None else torch.zeros_like(param))
+    model.zero_grad(set_to_none=True)
+    return {name: torch.stack(rows) for name, rows in grads.items()}
+
+
 def clipped_sum(grads: dict[str, Tensor], max_grad_norm: float) -> tuple[dict[str, Tensor], Tensor]:
     """Opacus' clipping: ``Σ_i min(1, C / (‖∇_i‖ + 1e-6)) ∇_i``, and the per-sample norms."""
     norms = torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()

@@ -153,7 +153,7 @@ class TrackedTensor(Tensor):
         in_place = name in _IN_PLACE_OPERATORS or name == "__setitem__" or (name.endswith("_") and name[-2] != "_")
         if in_place or "out" in kwargs:
             return _in_place(func, name, args, kwargs, tracked, owner)
-        if not any(isinstance(x, Tensor) and not isinstance(x, TrackedTensor) for x in leaves):
+        if not any(_is_data(x) for x in leaves):
             return _pure(func, args, kwargs, tracked, owner)
         return _use(func, args, kwargs, tracked, owner)
 
@@ -195,6 +195,19 @@ def _attribute(kind: str, name: str, func: Any, args: tuple) -> Any:
     if name in _METADATA or not torch.is_grad_enabled():
         return _plain_call(func, args, {})
     return _pure(func, args, {}, [target], target._owner)  # a view property: .T, .mT, .real
+
+
+def _is_data(x: Any) -> bool:
+    """A tensor that carries values into an op, as opposed to one that only selects.
+
+    Integer and boolean tensors (indices, masks) have no gradient, so an op combining a tracked
+    tensor with them alone is still a function of the parameters: ``pos_embed[:, index]``
+    (AuraFlow's learned positions, cropped to the image), ``table[labels]`` or ``torch.where(mask,
+    p, 0)``. Kept as a recipe, the index travels with it, and the op that later meets the data
+    differentiates through both, per sample. Taken as a use instead, the selection's output
+    (``[1, positions, dim]`` for the positions) has no batch dimension to clip by.
+    """
+    return isinstance(x, Tensor) and not isinstance(x, TrackedTensor) and (x.is_floating_point() or x.is_complex())
 
 
 def _plain(x: Any) -> Any:

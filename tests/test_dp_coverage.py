@@ -919,9 +919,10 @@ def test_every_zoo_architecture_is_clipped_exactly_or_refused_by_name(name: str,
 @pytest.mark.parametrize("name", sorted(HELD_OUT))
 def test_held_out_architectures_are_clipped_exactly_or_refused_by_name(name: str, mode: str) -> None:
     """Architectures the engine was not built on: every trainable parameter against the
-    reference at noise 0, or a refusal before any gradient is written that names the parameter.
-    AuraFlow's learned positions, cropped by an index before they meet the data, were refused
-    before ``tracked._is_data``."""
+    reference at noise 0, or a refusal before any gradient is written that names the parameter,
+    after which the way out the docs give (freeze what a plain step leaves without a gradient)
+    trains exactly. AuraFlow's learned positions, cropped by an index before they meet the data,
+    were refused before ``tracked._is_data``."""
     model, loss, batch, expected, norms, threshold = _zoo_reference(name)
     if name in _HELD_OUT_REFUSED:
         engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
@@ -932,7 +933,15 @@ def test_held_out_architectures_are_clipped_exactly_or_refused_by_name(name: str
             assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
         finally:
             engine.detach()
-        return
+        # the way out docs/privacy.md gives: freeze what a plain step leaves without a gradient
+        model = HELD_OUT[name].case(batch=_ZOO_BATCH).model.eval()
+        loss(model, batch).sum().backward()
+        unread = [p for p in model.parameters() if p.requires_grad and p.grad is None]
+        assert unread
+        for param in unread:
+            param.requires_grad_(False)
+        model.zero_grad(set_to_none=True)
+        expected, norms, threshold = clipped_at_median(per_sample_grads(model, loss, batch))
     with _exact_step(model, mode, loss, batch, expected, norms, threshold) as engine:
         assert 0 < int((engine.clip_coefficients < 1).sum()) < _ZOO_BATCH  # some clipped, some not
 

@@ -45,7 +45,13 @@ def _report(argv: Sequence[str]) -> int:
 
 
 def _estimate(argv: Sequence[str]) -> int:
-    from lightning_tbp.estimate import EstimateConfigError, estimate_config, estimate_dict, format_estimate
+    from lightning_tbp.estimate import (
+        EstimateConfigError,
+        StepNeedsValuesError,
+        estimate_config,
+        estimate_dict,
+        format_estimate,
+    )
     from lightning_tbp.remat.budget import parse_budget
 
     parser = argparse.ArgumentParser(
@@ -67,7 +73,7 @@ def _estimate(argv: Sequence[str]) -> int:
         memory = int(budget.value)
     try:
         estimate = estimate_config(config_args, device=args.device, device_memory=memory, minimum=not args.no_minimum)
-    except EstimateConfigError as error:
+    except (EstimateConfigError, StepNeedsValuesError) as error:
         print(f"tbp estimate: {error}", file=sys.stderr)
         return 2
     print(format_estimate(estimate))

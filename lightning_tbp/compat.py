@@ -26,6 +26,10 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten  # noqa: 
 # them (``torch._subclasses.fake_tensor``) but keeps them in a private module.
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily  # noqa: F401  # isort: skip
 
+# What fake tensors raise where an op needs values they do not have (``.item()``, ``.tolist()``,
+# ``nonzero``): ``tbp estimate`` turns them into an error that names the model's line.
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException  # isort: skip
+
 # Device type constants of the profiler's memory events (the exact CPU meter filters on them).
 from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
 
@@ -33,6 +37,7 @@ from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: F401  # isort: skip
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors  # noqa: F401  # isort: skip
 
+FAKE_VALUE_ERRORS = (DataDependentOutputException, DynamicOutputShapeException)
 OpOverload = torch._ops.OpOverload
 """The type of an aten op seen by a dispatch mode (``torch.ops.aten.mm.default``)."""
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -115,6 +116,16 @@ def test_fake_tensors_have_storages_and_fake_modules_convert_dtype_and_deep_copy
     with compat.fake_module_support():
         torch.utils.swap_tensors(swapped_a, swapped_b)  # real tensors still swap
     assert float(swapped_a.detach().sum()) == 2.0
+
+
+def test_fake_tensors_raise_the_value_errors_compat_names() -> None:
+    """``tbp estimate`` recognises a step that needs tensor values by these exceptions."""
+    with compat.FakeTensorMode():
+        mask = torch.ones(2, 5, dtype=torch.bool)
+        with pytest.raises(compat.FAKE_VALUE_ERRORS):
+            mask.sum(dim=1).tolist()
+        with pytest.raises(compat.FAKE_VALUE_ERRORS):
+            torch.nonzero(mask)
 
 
 def test_version_counters_count_in_place_writes_and_are_shared_by_detached_views() -> None:

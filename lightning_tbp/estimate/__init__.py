@@ -6,7 +6,7 @@ from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.measure import MeasuredStep, measure_step
 from lightning_tbp.estimate.report import estimate_dict, format_estimate
-from lightning_tbp.estimate.step import PlanFit, StepEstimate, TrainingStep, estimate_step
+from lightning_tbp.estimate.step import PlanFit, StepEstimate, StepNeedsValuesError, TrainingStep, estimate_step
 
 __all__ = [
     "CPU",
@@ -17,6 +17,7 @@ __all__ = [
     "MeasuredStep",
     "PlanFit",
     "StepEstimate",
+    "StepNeedsValuesError",
     "TrainingStep",
     "estimate_config",
     "estimate_dict",

@@ -21,16 +21,18 @@ The byte figures are those of the eager step in fake tensors; what fake tensors 
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_tbp.compat import FakeTensorMode, fake_module_support, storage_key, tree_flatten
+from lightning_tbp.compat import FAKE_VALUE_ERRORS, FakeTensorMode, fake_module_support, storage_key, tree_flatten
 from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
@@ -39,6 +41,32 @@ from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace
+
+
+class StepNeedsValuesError(ValueError):
+    """The training step reads tensor values (``.item()``, ``.tolist()``, ``nonzero``), which the
+    estimate's fake tensors do not have (Lumina 2 reads each caption's length from its mask)."""
+
+
+@contextlib.contextmanager
+def _values_refused() -> Iterator[None]:
+    """Turn fake tensors' value errors into :class:`StepNeedsValuesError`, naming the innermost
+    line outside torch that asked for the values (in the model, or in the caller's ``build``)."""
+    try:
+        yield
+    except FAKE_VALUE_ERRORS as error:
+        torch_dir = os.path.dirname(torch.__file__)
+        where, traceback = "an op", error.__traceback__
+        while traceback is not None:
+            code = traceback.tb_frame.f_code
+            if not code.co_filename.startswith(torch_dir):
+                where = f"{code.co_filename}:{traceback.tb_lineno} in {code.co_name}"
+            traceback = traceback.tb_next
+        raise StepNeedsValuesError(
+            f"the training step reads tensor values at {where} ({error}), and the estimate runs it on fake "
+            "tensors, which have shapes but no values; this model cannot be estimated without running it. "
+            "The strategies profile the real first batch instead (memory-safely) and meter the plan's first step."
+        ) from error
 
 
 @dataclass
@@ -142,7 +170,7 @@ def estimate_step(
     model = device_model(device) if isinstance(device, str) else device
     started = time.perf_counter()
     traces: list[Trace] = []
-    with FakeTensorMode(allow_non_fake_inputs=False):
+    with FakeTensorMode(allow_non_fake_inputs=False), _values_refused():
         with fake_module_support():
             step = build()
         if model.foreach_optimizers:

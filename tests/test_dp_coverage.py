@@ -897,18 +897,25 @@ def _zoo_reference(name: str) -> tuple[nn.Module, Callable, dict, Any, torch.Ten
     return case.model, loss, batch, *clipped_at_median(reference(case.model, loss, batch))
 
 
+def _assert_refused(model: nn.Module, mode: str, loss: Callable, batch: dict, error: type, match: str) -> None:
+    """A step under an engine raises ``error`` naming ``match``, and writes no gradient."""
+    engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        model.zero_grad(set_to_none=True)
+        with pytest.raises(error, match=match):
+            engine.backward(loss(model, batch))
+        assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
+    finally:
+        engine.detach()
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_every_zoo_architecture_is_clipped_exactly_or_refused_by_name(name: str, mode: str) -> None:
     """The zoo's diffusers models, each trainable parameter against ``vmap(grad)`` at noise 0."""
     model, loss, batch, expected, norms, threshold = _zoo_reference(name)
     if name in _ZOO_REFUSED:
-        engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
-        try:
-            with pytest.raises(PerSampleLossError, match=_ZOO_REFUSED[name]):
-                engine.backward(loss(model, batch))
-        finally:
-            engine.detach()
+        _assert_refused(model, mode, loss, batch, PerSampleLossError, _ZOO_REFUSED[name])
         return
     with _exact_step(model, mode, loss, batch, expected, norms, threshold) as engine:
         assert 0 < int((engine.clip_coefficients < 1).sum()) < _ZOO_BATCH  # some clipped, some not
@@ -925,14 +932,7 @@ def test_held_out_architectures_are_clipped_exactly_or_refused_by_name(name: str
     were refused before ``tracked._is_data``."""
     model, loss, batch, expected, norms, threshold = _zoo_reference(name)
     if name in _HELD_OUT_REFUSED:
-        engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
-        try:
-            model.zero_grad(set_to_none=True)
-            with pytest.raises(CoverageError, match=_HELD_OUT_REFUSED[name]):
-                engine.backward(loss(model, batch))
-            assert all(p.grad is None for p in model.parameters()), "a refused step wrote gradients"
-        finally:
-            engine.detach()
+        _assert_refused(model, mode, loss, batch, CoverageError, _HELD_OUT_REFUSED[name])
         # the way out docs/privacy.md gives: freeze what a plain step leaves without a gradient
         model = HELD_OUT[name].case(batch=_ZOO_BATCH).model.eval()
         loss(model, batch).sum().backward()

@@ -150,3 +150,9 @@ def fake_module_support() -> Iterator[None]:
     finally:
         torch.utils.swap_tensors = swap
         del FakeTensor.__deepcopy__
+
+
+def profiler_enabled() -> bool:
+    """Whether any torch profiler session is running in this process (torch has no public query;
+    the exact CPU meter cannot start a session beside another)."""
+    return bool(torch.autograd.profiler._is_profiler_enabled)

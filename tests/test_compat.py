@@ -136,3 +136,12 @@ def test_version_counters_count_in_place_writes_and_are_shared_by_detached_views
     assert compat.version_counter(tensor) == compat.version_counter(detached) == before + 1
     _ = tensor + 1  # out of place: no write
     assert compat.version_counter(detached) == before + 1
+
+
+def test_profiler_enabled_sees_any_running_session() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    assert not compat.profiler_enabled()
+    with profile(activities=[ProfilerActivity.CPU]):
+        assert compat.profiler_enabled()
+    assert not compat.profiler_enabled()

@@ -163,3 +163,85 @@ def test_marks_split_a_region_into_windows_with_exact_levels_and_peaks(events) -
         held.clear()
     assert [(m.level_bytes, m.peak_before_bytes) for m in reading.marks] == expected
     assert (reading.peak_bytes, reading.net_bytes) == (peak, 0)
+
+
+_NESTED = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(1, 1 << 16)),
+        st.just(("free",)),
+        st.just(("open",)),
+        st.tuples(st.just("close"), st.integers(0, 3)),
+        st.tuples(st.just("mark"), st.integers(0, 3)),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=25, deadline=None)
+@given(events=_NESTED)
+def test_regions_nest_and_overlap_exactly(events) -> None:
+    """A metered training step contains the planner's metered ops, and a test meters a whole fit
+    that contains metered steps: any number of regions, opened and closed in any order, each get
+    the peak, net and marks of the allocations made while they were open, to the byte. (A block
+    allocated while no region is open is never freed inside one here: the profiler cannot see
+    such a free, a documented limit of the meter.)"""
+    import contextlib
+
+    held: list[tuple[torch.Tensor, bool]] = []  # and whether a session saw it allocated
+    level = 0
+    open_regions: list[tuple[contextlib.ExitStack, object, dict]] = []
+    checked: list[tuple[object, dict]] = []
+
+    def close(index: int) -> None:
+        stack, reading, expected = open_regions.pop(index)
+        stack.close()
+        expected["net"] = level - expected["start"]
+        checked.append((reading, expected))
+
+    for event in events:
+        if event[0] == "alloc":
+            held.append((torch.empty(event[1], dtype=torch.uint8), bool(open_regions)))
+            level += event[1]
+            for _, _, expected in open_regions:
+                expected["peak"] = max(expected["peak"], level)
+                expected["window"] = max(expected["window"], level)
+        elif event[0] == "free" and held and (held[0][1] or not open_regions):
+            level -= held.pop(0)[0].numel()
+        elif event[0] == "open":
+            stack = contextlib.ExitStack()
+            reading = stack.enter_context(allocator_peak())
+            open_regions.append((stack, reading, {"start": level, "peak": level, "window": level, "marks": []}))
+        elif event[0] == "close" and open_regions:
+            close(event[1] % len(open_regions))
+        elif event[0] == "mark" and open_regions:
+            _, reading, expected = open_regions[event[1] % len(open_regions)]
+            reading.mark()
+            expected["marks"].append((level - expected["start"], expected["window"] - expected["start"]))
+            expected["window"] = level
+    while open_regions:
+        close(-1)
+    held.clear()
+    for reading, expected in checked:
+        assert reading.peak_bytes == expected["peak"] - expected["start"]
+        assert reading.net_bytes == expected["net"]
+        assert [(m.level_bytes, m.peak_before_bytes) for m in reading.marks] == expected["marks"]
+    assert gc.isenabled()
+
+
+def test_the_meter_keeps_torchs_profiler_chatter_off_stderr_and_nothing_else(capfd) -> None:
+    """torch 2.13's profiler prints two USDT lines per session and a CPUAllocator warning for
+    a block from outside the session freed inside it, straight to descriptor 2; the meter drops
+    exactly those, and what else is written meanwhile (Python or native) comes through in order."""
+    import os
+    import sys
+
+    old = torch.ones(1 << 10)  # allocated outside any session: its free inside makes the warning
+    with allocator_peak():
+        print("python line", file=sys.stderr, flush=True)
+        del old
+        os.write(2, b"native line\n")
+        with allocator_peak():  # a nested region restarts the session: two more USDT lines
+            os.write(2, b"partial ")
+        os.write(2, b"line\n\rprogress 50%")
+    err = capfd.readouterr().err
+    assert err == "python line\nnative line\npartial line\n\rprogress 50%"

@@ -25,7 +25,6 @@ from typing_extensions import override
 
 from lightning_tbp.callbacks.strategy_info import MemoryReportingStrategy
 from lightning_tbp.memory.breakdown import Breakdown, split_untracked, tensor_bytes
-from lightning_tbp.memory.meters import profiler_active
 from lightning_tbp.memory.record import Snapshot, build_run_record, format_stage_table, write_run_record
 from lightning_tbp.memory.stages import StageMeter, stage_meter_for
 
@@ -38,9 +37,8 @@ class MemoryProfilerCallback(Callback):
             CPU runs the batch inside a profiler, which slows that batch down; on CUDA it only
             reads allocator counters.
         warmup_steps: batches to skip before the first metered one. The first batch makes a
-            tiny_backprop plan (metered by the strategy itself) and the optimizer's state; on CPU
-            the batch before a metered one starts the meter's profiler at its backward, so the
-            default of 2 keeps both out of each other's way.
+            tiny_backprop plan and the optimizer's state; meter it too with 0 (the meters nest,
+            so the plan's own measurements are unaffected).
         output_dir: where ``memory_rank{R}.json`` (and CUDA history/OOM snapshots) go.
             Default: ``<trainer.log_dir>/memory``, or ``<default_root_dir>/memory`` without a logger.
         record_history: CUDA only: record the allocator's history for the whole fit and dump
@@ -85,7 +83,6 @@ class MemoryProfilerCallback(Callback):
         self._device = torch.device("cpu")
         self._batch_index = -1
         self._sampling = False
-        self._late_preroll = False
         self._pending: list[tuple[str, float, int, Breakdown, int | None]] = []
         self._snapshots: list[Snapshot] = []
         self._step_times: list[float] = []
@@ -115,14 +112,6 @@ class MemoryProfilerCallback(Callback):
             warnings.warn(
                 f"MemoryProfilerCallback(record_history=True) records CUDA allocator history; this run is on "
                 f"{self._device.type}, so no history will be written (the stage snapshots still are)",
-                stacklevel=2,
-            )
-        strategy = trainer.strategy
-        makes_plan = isinstance(strategy, MemoryReportingStrategy) and strategy.makes_plan()
-        if self.warmup_steps == 0 and self._device.type == "cpu" and makes_plan:
-            warnings.warn(
-                "MemoryProfilerCallback(warmup_steps=0) meters the batch that makes the tiny_backprop plan; on CPU "
-                "the planner then cannot calibrate op workspaces inside the meter's profiler. Use warmup_steps>=1.",
                 stacklevel=2,
             )
         self.output_dir = self._writable_output_dir(trainer)
@@ -172,37 +161,22 @@ class MemoryProfilerCallback(Callback):
         after_warmup = batch_index - self.warmup_steps
         return after_warmup >= 0 and after_warmup % self.every_n_steps == 0
 
-    def _preroll(self, at_batch_end: bool) -> None:
-        """Start the CPU meter's session before the batch it meters (see ``lightning_tbp.memory.stages``).
-
-        It starts at the previous batch's backward, so the gradients allocated there are known
-        to the profiler when the metered batch frees them; at that batch's end only if another
-        profiler (the tiny_backprop strategy meters the batch that makes a plan) ran until then.
-        """
+    def _preroll(self) -> None:
+        """Start the CPU meter's region before the batch it meters (see ``lightning_tbp.memory.stages``):
+        at the previous batch's backward, so the gradients allocated there are known to the
+        profiler when the metered batch frees them."""
         assert self._meter is not None
         if self._sampling or self._meter.active or not self._meter.needs_preroll:
             return
-        if not self._is_sampled(self._batch_index + 1):
-            return
-        if not at_batch_end and profiler_active():
-            self._late_preroll = True
-            return
-        if self._late_preroll:
-            warnings.warn(
-                f"MemoryProfilerCallback: another torch profiler ran during batch {self._batch_index}, so the CPU "
-                f"meter starts after it; blocks allocated before are invisible when batch {self._batch_index + 1} "
-                "frees them (its readings may be high by the gradients' size). Raise warmup_steps to avoid it.",
-                stacklevel=2,
-            )
-            self._late_preroll = False
-        self._meter.begin()
+        if self._is_sampled(self._batch_index + 1):
+            self._meter.begin()
 
     @override
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
         if self._sampling:
             self._mark(trainer, pl_module, "after_forward")
         else:
-            self._preroll(at_batch_end=False)
+            self._preroll()
 
     @override
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -215,14 +189,14 @@ class MemoryProfilerCallback(Callback):
     ) -> None:
         self._stop_timer()
         if not self._sampling:
-            self._preroll(at_batch_end=True)
+            self._preroll()  # a batch that skipped its backward (a DP batch with no samples)
             return
         assert self._meter is not None
         self._mark(trainer, pl_module, "after_step")
         snapshots = self._snapshots_of(self._meter.end())
         self._snapshots.extend(snapshots)
         self._sampling = False
-        self._preroll(at_batch_end=True)  # every_n_steps=1: the next batch is metered too
+        self._preroll()  # every_n_steps=1: the next batch is metered too
         if self.log_metrics and trainer.loggers:
             metrics = {f"memory/{s.stage}_mb": s.current_bytes / 2**20 for s in snapshots}
             metrics["memory/peak_mb"] = max(s.peak_bytes for s in snapshots) / 2**20

@@ -16,10 +16,6 @@ from lightning_tbp.privacy import BufferStats
 class MemoryReportingStrategy(Protocol):
     """A strategy that tells the memory report about its plan and its DP engine."""
 
-    def makes_plan(self) -> bool:
-        """Whether the first training batch makes (and meters) a rematerialization plan."""
-        ...
-
     def memory_report_config(self) -> dict[str, Any]:
         """The plan in force and the DP settings, as JSON-able dicts (``plan``, ``dp``)."""
         ...

@@ -10,12 +10,18 @@ allocated (only blocks from outside any session are dropped, with a warning). Cy
 from earlier code, collected at a random moment inside a region, would then lower its count by
 whatever that garbage held: a full test run saw a step measured 21% below its exact, repeatable
 peak. So the CPU meters collect garbage first and hold the collector off inside the region.
+
+Regions nest and overlap (a metered training step contains the planner's metered ops; a test
+measures a whole fit that contains metered steps): one chain of profiler sessions serves them
+all, see :class:`_CpuSessions`. Only a profiler started elsewhere stops the CPU meter.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,10 +29,11 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lightning_tbp.compat import DeviceType
+from lightning_tbp.compat import DeviceType, profiler_enabled
+from lightning_tbp.memory.native_stderr import ProfilerChatterFilter
 
 #: Name of the profiler range that marks an instant of an exact CPU region (see :meth:`AllocatorPeak.mark`).
-_MARK = "lightning_tbp::mark"
+_MARK = "lightning_tbp::mark::"
 
 
 @dataclass(frozen=True)
@@ -58,9 +65,10 @@ class AllocatorPeak:
             self._marker()
 
 
-def profiler_active() -> bool:
-    """Whether a torch profiler is running: the exact CPU meter cannot nest inside one."""
-    return bool(torch.autograd.profiler._is_profiler_enabled)
+def foreign_profiler_active() -> bool:
+    """Whether a torch profiler not started by these meters is running (a user's, Lightning's
+    ``PyTorchProfiler``): the exact CPU meter cannot run beside it."""
+    return profiler_enabled() and not _CPU_SESSIONS.running
 
 
 def cpu_memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:
@@ -71,11 +79,11 @@ def cpu_memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:
     return sorted(memory, key=lambda event: event[0])  # stable: same-time events keep their order
 
 
-def refuse_nested_profiler() -> None:
-    """The exact CPU meter is a profiler session; a nested one would switch the running one off."""
-    if profiler_active():
+def refuse_foreign_profiler() -> None:
+    """The exact CPU meter is a profiler session; beside another one it would switch that one off."""
+    if foreign_profiler_active():
         raise RuntimeError(
-            "exact CPU memory measurement runs torch.profiler, and a profiler is already running; "
+            "exact CPU memory measurement runs torch.profiler, and another profiler is already running; "
             "measure outside it (or on CUDA, whose allocator keeps its own statistics)"
         )
 
@@ -101,32 +109,123 @@ def garbage_collection_held(collect: bool = True) -> Iterator[None]:
         gc.enable()
 
 
-def _cpu_mark() -> None:
-    with torch.profiler.record_function(_MARK):  # its start time, on the memory events' clock, is the mark
+@dataclass
+class _Region:
+    """One open CPU region of the session chain; levels are the chain's running net bytes."""
+
+    key: int
+    open_level: int
+    peak_level: int
+    window_level: int  # highest level since the region's last mark
+    result: AllocatorPeak
+
+
+class _CpuSessions:
+    """One chain of profiler sessions serving every open exact CPU region of the process.
+
+    torch runs one profiler at a time, so two regions cannot each run their own session, yet a
+    metered training step contains metered planning, and a whole fit measured by a test contains
+    metered steps. The chain runs one session while any region is open; when a region opens or
+    closes, the running session is stopped, its allocation events are replayed into every open
+    region (a running net level, its peak, each region's marks), and a new session starts at
+    once. The profiler's size table outlives sessions, so the free of a block allocated in an
+    earlier session of the chain is reported with its size: the level stays exact across the
+    sessions. Only the instants between one session's stop and the next one's start are unseen,
+    and no tensor is allocated there. While the chain runs, torch's own profiler chatter on the
+    native stderr is filtered out (``native_stderr``)."""
+
+    def __init__(self) -> None:
+        self._profiler: profile | None = None
+        self._regions: list[_Region] = []
+        self._level = 0
+        self._keys = itertools.count()
+        self._quiet = ProfilerChatterFilter()
+
+    @property
+    def running(self) -> bool:
+        return self._profiler is not None
+
+    def open(self, result: AllocatorPeak) -> _Region:
+        refuse_foreign_profiler()
+        if self._profiler is None:
+            self._quiet.start()
+            self._level = 0
+            self._profiler = self._started()
+        else:
+            self._replay(self._restart())
+        region = _Region(next(self._keys), self._level, self._level, self._level, result)
+        result._marker = functools.partial(_cpu_mark, region.key)
+        self._regions.append(region)
+        return region
+
+    def close(self, region: _Region) -> None:
+        last = len(self._regions) == 1
+        events = self._stop() if last else self._restart()
+        try:
+            self._replay(events)
+        finally:
+            self._regions.remove(region)
+            if last:
+                self._quiet.stop()
+        result = region.result
+        result._marker = None
+        result.peak_bytes = region.peak_level - region.open_level
+        result.net_bytes = self._level - region.open_level
+
+    def _started(self) -> profile:
+        session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        session.start()
+        return session
+
+    def _stop(self) -> Any:
+        assert self._profiler is not None
+        session, self._profiler = self._profiler, None
+        session.stop()
+        return session.profiler.kineto_results.events()
+
+    def _restart(self) -> Any:
+        events = self._stop()
+        self._profiler = self._started()  # at once: nothing is allocated between the two
+        return events
+
+    def _replay(self, events: Any) -> None:
+        by_key = {region.key: region for region in self._regions}
+        marks = [(e.start_ns(), 0, int(e.name()[len(_MARK) :])) for e in events if e.name().startswith(_MARK)]
+        allocations = [(at, nbytes, None) for at, nbytes in cpu_memory_events(events)]
+        level = self._level
+        # a stable sort: an allocation at a mark's very nanosecond counts before it
+        for _, nbytes, key in sorted(allocations + marks, key=lambda event: event[0]):
+            if key is not None:
+                region = by_key.get(key)
+                if region is not None:
+                    region.result.marks.append(Mark(level - region.open_level, region.window_level - region.open_level))
+                    region.window_level = level
+                continue
+            level += nbytes
+            for region in self._regions:
+                if level > region.peak_level:
+                    region.peak_level = level
+                if level > region.window_level:
+                    region.window_level = level
+        self._level = level
+
+
+_CPU_SESSIONS = _CpuSessions()
+
+
+def _cpu_mark(key: int) -> None:
+    with torch.profiler.record_function(f"{_MARK}{key}"):  # its start time, on the memory events' clock, is the mark
         pass
 
 
 @contextlib.contextmanager
 def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
-    refuse_nested_profiler()
-    result._marker = _cpu_mark
-    try:
-        with garbage_collection_held(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with garbage_collection_held():
+        region = _CPU_SESSIONS.open(result)
+        try:
             yield
-    finally:
-        result._marker = None
-    events = prof.profiler.kineto_results.events()
-    marks: list[tuple[int, int | None]] = [(e.start_ns(), None) for e in events if e.name() == _MARK]
-    current = peak = window = 0
-    # a stable sort: an allocation at a mark's very nanosecond counts before it
-    for _, nbytes in sorted(cpu_memory_events(events) + marks, key=lambda event: event[0]):
-        if nbytes is None:
-            result.marks.append(Mark(current, window))
-            window = current
-            continue
-        current += nbytes
-        peak, window = max(peak, current), max(window, current)
-    result.peak_bytes, result.net_bytes = peak, current
+        finally:
+            _CPU_SESSIONS.close(region)
 
 
 @contextlib.contextmanager

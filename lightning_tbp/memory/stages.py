@@ -4,9 +4,9 @@ One interface, :class:`StageMeter`, chosen by device with :func:`stage_meter_for
 
 - CUDA reads the caching allocator's statistics at each mark (allocated and reserved, current
   and peak) and resets the peak counters, so each stage's peak is its own. Values are absolute.
-- CPU has no allocator counters. A step is run inside one ``torch.profiler`` session with
-  memory events; each mark is a zero-length ``record_function`` range, and replaying the
-  allocation events between marks in time order gives each stage's exact current and peak.
+- CPU has no allocator counters. A step is run inside one exact CPU region
+  (:func:`lightning_tbp.memory.meters.allocator_peak`, profiler memory events); each stage is a
+  mark of the region, which gives each stage's exact current and peak.
   Values are relative to the first mark; readings exist only after :meth:`end`. The profiler
   sees the free of a block only if the block was allocated under a profiler, so the session
   should begin a little before the first mark (``needs_preroll``): the callback starts it one
@@ -24,11 +24,8 @@ from dataclasses import dataclass
 
 import psutil
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
 
-from lightning_tbp.memory.meters import cpu_memory_events, garbage_collection_held, refuse_nested_profiler
-
-_MARK_PREFIX = "tbp::stage::"
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
 
 
 @dataclass
@@ -130,8 +127,8 @@ class CpuStageMeter(StageMeter):
 
     def __init__(self) -> None:
         self._session: contextlib.ExitStack | None = None
-        self._profiler: profile | None = None
-        self._marks: list[tuple[str, int]] = []
+        self._reading: AllocatorPeak | None = None
+        self._rss: list[tuple[str, int]] = []
 
     @property
     def active(self) -> bool:
@@ -140,49 +137,34 @@ class CpuStageMeter(StageMeter):
     def begin(self) -> None:
         if self._session is not None:
             raise RuntimeError("CpuStageMeter.begin() called twice without end()")
-        refuse_nested_profiler()
-        self._marks = []
+        self._rss = []
         self._session = contextlib.ExitStack()
-        self._session.enter_context(garbage_collection_held())  # see lightning_tbp.memory.meters
-        self._profiler = self._session.enter_context(profile(activities=[ProfilerActivity.CPU], profile_memory=True))
+        self._reading = self._session.enter_context(allocator_peak("cpu"))
 
     def mark(self, stage: str) -> None:
-        if self._session is None:
+        if self._reading is None:
             raise RuntimeError("CpuStageMeter.mark() outside begin()/end()")
-        self._marks.append((stage, process_rss_bytes()))
-        with record_function(f"{_MARK_PREFIX}{len(self._marks) - 1}"):
-            pass
+        self._rss.append((stage, process_rss_bytes()))
+        self._reading.mark()
 
     def end(self) -> list[StageReading]:
-        if self._session is None or self._profiler is None:
+        if self._session is None or self._reading is None:
             raise RuntimeError("CpuStageMeter.end() without begin()")
         self._session.close()
-        events = self._profiler.profiler.kineto_results.events()
-        self._session = self._profiler = None
-        mark_times = {
-            int(e.name()[len(_MARK_PREFIX) :]): e.start_ns() for e in events if e.name().startswith(_MARK_PREFIX)
-        }
-        memory = cpu_memory_events(events)
-        readings: list[StageReading] = []
-        current = peak = 0
-        cursor = 0
-        while cursor < len(memory) and mark_times and memory[cursor][0] <= mark_times[0]:
-            cursor += 1  # the pre-roll: allocations before the first mark are the baseline
-        for index, (stage, rss) in enumerate(self._marks):
-            until = mark_times[index]
-            while cursor < len(memory) and memory[cursor][0] <= until:
-                current += memory[cursor][1]
-                peak = max(peak, current)
-                cursor += 1
-            readings.append(StageReading(stage=stage, current_bytes=current, peak_bytes=peak, rss_bytes=rss))
-            peak = current
+        marks, self._session, self._reading = self._reading.marks, None, None
+        # the pre-roll before the first mark is the baseline
+        base = marks[0].level_bytes if marks else 0
+        readings = []
+        for index, ((stage, rss), mark) in enumerate(zip(self._rss, marks, strict=True)):
+            peak = 0 if index == 0 else mark.peak_before_bytes - base
+            readings.append(StageReading(stage, mark.level_bytes - base, peak, rss))
         return readings
 
     def abort(self) -> None:
         if self._session is not None:
             self._session.close()
-        self._session = self._profiler = None
-        self._marks = []
+        self._session = self._reading = None
+        self._rss = []
 
 
 def stage_meter_for(device: torch.device | str) -> StageMeter:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_tbp.compat import storage_key
-from lightning_tbp.memory.meters import garbage_collection_held, profiler_active
+from lightning_tbp.memory.meters import foreign_profiler_active, garbage_collection_held
 from lightning_tbp.privacy.coverage import (
     check_batch_norms,
     listed_samples,
@@ -246,7 +246,7 @@ class DPEngine:
         (rows folded into it merged, or per row where the handler cannot merge them). The clipped
         sum's own result (the parameter gradients) is left out of its peak."""
         grad_output, *stand_ins = (layout.materialise() for layout in layouts)
-        if grad_output.device.type == "cpu" and profiler_active():
+        if grad_output.device.type == "cpu" and foreign_profiler_active():
             return None
         module, saved = slot.module, tuple(stand_ins)
         coef = torch.ones(grad_output.shape[0], device=grad_output.device)
@@ -281,7 +281,7 @@ class DPEngine:
         step runs (as ``_meter_tap`` for a handler's layer)."""
         stand_ins = tuple(layout.materialise() for layout in layouts)
         grads_out, saved = stand_ins[:outputs], stand_ins[outputs:]
-        if grads_out[0].device.type == "cpu" and profiler_active():
+        if grads_out[0].device.type == "cpu" and foreign_profiler_active():
             return None
         grads: dict[nn.Parameter, Tensor] = {}
 

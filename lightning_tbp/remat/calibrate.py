@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from lightning_tbp.compat import op_schema, tree_flatten, tree_map
-from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, garbage_collection_held, profiler_active
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, garbage_collection_held
 from lightning_tbp.remat.overheads import timed_ns
 
 
@@ -138,7 +138,7 @@ class OpCalibrator:
         same inputs and the same forward halves what a separate pass for each cost (a third of
         a reference U-Net's planning time went to re-materialising and re-running its ops)."""
         metered = self._workspace_keys
-        if profiler_active() and any(_device_of(self._specs[key]).type == "cpu" for key in metered):
+        if foreign_profiler_active() and any(_device_of(self._specs[key]).type == "cpu" for key in metered):
             warnings.warn(
                 "lightning_tbp: a torch profiler is running, so op workspaces cannot be measured on CPU; "
                 "plans made now predict peaks a few percent low (plan outside the profiler to avoid this)",

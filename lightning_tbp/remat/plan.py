@@ -30,7 +30,7 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.held import HeldMemory
-from lightning_tbp.memory.meters import refuse_nested_profiler
+from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
@@ -340,7 +340,7 @@ class Plan:
         if self._meter.running:
             raise RuntimeError("a metered step of this plan is still running: call finish_measurement() first")
         if not self._meter.start(device):
-            refuse_nested_profiler()  # why on CPU
+            refuse_foreign_profiler()  # why on CPU
             raise ValueError(f"no exact allocator meter for device type {device.type!r} (cpu and cuda are supported)")
         try:
             step()

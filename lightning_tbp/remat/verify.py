@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, profiler_active
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.replay import output_tensors
 from lightning_tbp.remat.signature import batch_size_of
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # a cycle at run time: shape_plan -> simulate -> trace -> los
 
 def can_meter(device: torch.device) -> bool:
     """CUDA always; CPU unless a profiler is running (the exact CPU meter is one)."""
-    return device.type == "cuda" or (device.type == "cpu" and not profiler_active())
+    return device.type == "cuda" or (device.type == "cpu" and not foreign_profiler_active())
 
 
 @dataclass(frozen=True)

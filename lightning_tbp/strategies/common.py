@@ -321,10 +321,6 @@ class TinyBackpropMixin:
         if over:
             self.plan.correct(checked, ratio)
 
-    def makes_plan(self) -> bool:
-        """Whether the first training batch makes (and meters) a rematerialization plan."""
-        return self.memory_budget is not None
-
     def dp_buffer_stats(self) -> BufferStats | None:
         """The DP engine's held bytes (per-sample norms, materialised per-sample gradients,
         bookkeeping's operands): now, and the peak of its last backward. None without DP."""

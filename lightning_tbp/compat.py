@@ -33,6 +33,14 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 # Device type constants of the profiler's memory events (the exact CPU meter filters on them).
 from torch._C._autograd import DeviceType  # noqa: F401  # isort: skip
 
+# The kineto profiler's own entry points, under torch.profiler (the exact CPU meter's sessions).
+from torch._C._autograd import _toggle_collection_dynamic  # isort: skip
+from torch._C._profiler import ProfilerActivity as _ProfilerActivity  # isort: skip
+from torch._C._profiler import ProfilerConfig as _ProfilerConfig  # isort: skip
+from torch._C._profiler import ProfilerState as _ProfilerState  # isort: skip
+from torch._C._profiler import _ExperimentalConfig  # isort: skip
+from torch.autograd.profiler import _disable_profiler, _enable_profiler, _prepare_profiler  # isort: skip
+
 # Flattening gradients into one buffer for a single all-reduce (DP's gradient sum over ranks).
 from torch._utils import _flatten_dense_tensors as flatten_dense_tensors  # noqa: F401  # isort: skip
 from torch._utils import _unflatten_dense_tensors as unflatten_dense_tensors  # noqa: F401  # isort: skip
@@ -156,3 +164,39 @@ def profiler_enabled() -> bool:
     """Whether any torch profiler session is running in this process (torch has no public query;
     the exact CPU meter cannot start a session beside another)."""
     return bool(torch.autograd.profiler._is_profiler_enabled)
+
+
+class MemoryEventSession:
+    """A profiler session that records the allocator's events and no op: what the exact CPU meter reads.
+
+    A profiler that records ops keeps, for every scope open when it starts recording one (an
+    ``Optimizer.step`` that runs Lightning's whole closure, a DDP forward), a pointer into its
+    own event buffer, written when the scope ends. The meter stops and starts sessions inside
+    such scopes (a metered step inside a metered fit), and the next session then wrote that
+    pointer into the freed buffer of the last one: heap corruption ("free(): invalid next
+    size"). So op recording is switched off right after the session starts
+    (``_toggle_collection_dynamic``): the allocator still reports every allocation and free, no
+    scope is observed, and steps under the meter run without the op recorder's overhead. A mark
+    switches recording on for its own empty scope only. Built on the kineto profiler's private
+    entry points, which ``torch.profiler.profile`` wraps with no way to keep ops out."""
+
+    # torch warns about GPU tracks on every toggle, even of a CPU-only session (the meter's
+    # stderr filter drops it)
+    _TOGGLED = frozenset({_ProfilerActivity.CPU})
+
+    def __init__(self) -> None:
+        config = _ProfilerConfig(_ProfilerState.KINETO, False, True, False, False, False, _ExperimentalConfig())
+        _prepare_profiler(config, set(self._TOGGLED))
+        _enable_profiler(config, set(self._TOGGLED))
+        _toggle_collection_dynamic(False, set(self._TOGGLED))
+
+    def mark(self, name: str) -> None:
+        """An event named ``name`` at this instant, on the allocator events' clock."""
+        _toggle_collection_dynamic(True, set(self._TOGGLED))
+        with torch.profiler.record_function(name):
+            pass
+        _toggle_collection_dynamic(False, set(self._TOGGLED))
+
+    def stop(self) -> Any:
+        """End the session; its result, whose ``events()`` stay valid while it is referenced."""
+        return _disable_profiler()

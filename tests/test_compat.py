@@ -145,3 +145,19 @@ def test_profiler_enabled_sees_any_running_session() -> None:
     with profile(activities=[ProfilerActivity.CPU]):
         assert compat.profiler_enabled()
     assert not compat.profiler_enabled()
+
+
+def test_a_memory_event_session_records_allocations_and_marks_and_no_op() -> None:
+    """The exact CPU meter's sessions: every allocation and free, marks on the same clock, and no
+    op or scope, so a scope open across a session's stop and the next one's start (Lightning's
+    closure inside ``Optimizer.step``) is never written into a stopped session's buffer."""
+    session = compat.MemoryEventSession()
+    with torch.profiler.record_function("user scope"):
+        x = torch.ones(256)
+        session.mark("the mark")
+        del x
+    events = session.stop().events()
+    assert [e.name() for e in events] == ["[memory]", "the mark", "[memory]"]
+    assert [e.nbytes() for e in events if e.name() == "[memory]"] == [1024, -1024]
+    assert events[0].device_type() == compat.DeviceType.CPU
+    assert not compat.profiler_enabled()

@@ -1,6 +1,7 @@
 """Measured CPU allocator peaks (exact, from the profiler's allocation events) against the plan."""
 
 import gc
+import itertools
 import weakref
 
 import pytest
@@ -245,3 +246,38 @@ def test_the_meter_keeps_torchs_profiler_chatter_off_stderr_and_nothing_else(cap
         os.write(2, b"line\n\rprogress 50%")
     err = capfd.readouterr().err
     assert err == "python line\nnative line\npartial line\n\rprogress 50%"
+
+
+_CHATTER_LINES = [
+    b"USDT:2026-11-26 21:33:37 1993:1993 SyncActivityProfilerHandler.cpp:52] profiler_start\n",
+    b"[W1126 21:52:28.134466179 profiler_kineto.cpp:814] Toggling CPU activity with GPU activity on may result in "
+    b"traces with GPU events on arbitrary tracks\n",
+    b"[W1126 21:33:37.274944199 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the "
+    b"profiling started, profiler results will not include the deallocation event\n",
+]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(st.binary(max_size=12), st.sampled_from([b"\n", b"\r", b"[W", b"US", b"USDT: not chatter\n"])),
+        max_size=12,
+    ),
+    chatter_at=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2)), max_size=4),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+def test_the_chatter_filter_passes_every_other_byte_through_wherever_the_stream_is_cut(pieces, chatter_at, cuts):
+    """Whatever else is written (partial lines, carriage returns, text that starts like chatter)
+    and wherever torch's chatter lands between writes, and however the pipe cuts the stream into
+    reads, exactly the other bytes come out, in order."""
+    from lightning_tbp.memory.native_stderr import ChatterStripper
+
+    wanted = b"".join(pieces)
+    stream = list(pieces)
+    for at, which in sorted(chatter_at, reverse=True):
+        stream.insert(min(at, len(stream)), _CHATTER_LINES[which])
+    data = b"".join(stream)
+    stripper = ChatterStripper()
+    bounds = sorted({0, len(data), *(c for c in cuts if c < len(data))})
+    out = b"".join(stripper.feed(data[a:b]) for a, b in itertools.pairwise(bounds)) + stripper.end()
+    assert out == wanted

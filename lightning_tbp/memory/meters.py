@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from lightning_tbp.compat import DeviceType, profiler_enabled
+from lightning_tbp.compat import DeviceType, MemoryEventSession, profiler_enabled
 from lightning_tbp.memory.native_stderr import ProfilerChatterFilter
 
 #: Name of the profiler range that marks an instant of an exact CPU region (see :meth:`AllocatorPeak.mark`).
@@ -135,7 +134,7 @@ class _CpuSessions:
     native stderr is filtered out (``native_stderr``)."""
 
     def __init__(self) -> None:
-        self._profiler: profile | None = None
+        self._profiler: MemoryEventSession | None = None
         self._regions: list[_Region] = []
         self._level = 0
         self._keys = itertools.count()
@@ -152,17 +151,21 @@ class _CpuSessions:
             self._level = 0
             self._profiler = self._started()
         else:
-            self._replay(self._restart())
+            session = self._stop()
+            self._profiler = self._started()  # at once: nothing is allocated between the two
+            self._replay(session)
         region = _Region(next(self._keys), self._level, self._level, self._level, result)
-        result._marker = functools.partial(_cpu_mark, region.key)
+        result._marker = functools.partial(self.mark, region.key)
         self._regions.append(region)
         return region
 
     def close(self, region: _Region) -> None:
         last = len(self._regions) == 1
-        events = self._stop() if last else self._restart()
+        session = self._stop()
+        if not last:
+            self._profiler = self._started()
         try:
-            self._replay(events)
+            self._replay(session)
         finally:
             self._regions.remove(region)
             if last:
@@ -172,23 +175,22 @@ class _CpuSessions:
         result.peak_bytes = region.peak_level - region.open_level
         result.net_bytes = self._level - region.open_level
 
-    def _started(self) -> profile:
-        session = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        session.start()
-        return session
+    def _started(self) -> MemoryEventSession:
+        return MemoryEventSession()
 
     def _stop(self) -> Any:
         assert self._profiler is not None
         session, self._profiler = self._profiler, None
-        session.stop()
-        return session.profiler.kineto_results.events()
+        return session.stop()
 
-    def _restart(self) -> Any:
-        events = self._stop()
-        self._profiler = self._started()  # at once: nothing is allocated between the two
-        return events
+    def mark(self, key: int) -> None:
+        if self._profiler is not None:
+            self._profiler.mark(f"{_MARK}{key}")
 
-    def _replay(self, events: Any) -> None:
+    def _replay(self, result: Any) -> None:
+        """Fold a stopped session's events into the open regions (``result`` is kept while its
+        events are read: they point into it)."""
+        events = result.events()
         by_key = {region.key: region for region in self._regions}
         marks = [(e.start_ns(), 0, int(e.name()[len(_MARK) :])) for e in events if e.name().startswith(_MARK)]
         allocations = [(at, nbytes, None) for at, nbytes in cpu_memory_events(events)]
@@ -211,11 +213,6 @@ class _CpuSessions:
 
 
 _CPU_SESSIONS = _CpuSessions()
-
-
-def _cpu_mark(key: int) -> None:
-    with torch.profiler.record_function(f"{_MARK}{key}"):  # its start time, on the memory events' clock, is the mark
-        pass
 
 
 @contextlib.contextmanager

@@ -1,14 +1,16 @@
 """Keep torch's profiler chatter off the console while the exact CPU meter runs.
 
 torch 2.13's profiler writes two ``USDT:... SyncActivityProfilerHandler.cpp] profiler_start``/
-``profiler_stop`` lines for every session, and its CPU allocator a ``CPUAllocator.cpp ...
-Memory block of unknown size`` warning when a block allocated outside any session is freed
-inside one. Both go from C++ straight to file descriptor 2; no environment variable read after
-torch is imported silences them, and the exact meter runs sessions on every metered step (the
-main job printed 154 such lines). So while the meter's sessions run, descriptor 2 is a pipe: a
-thread forwards every byte to the real stderr as it comes, except these lines. A partial line
-that cannot be the start of one (a progress bar redrawn with a carriage return) is forwarded at
-once, so nothing else is held back or reordered.
+``profiler_stop`` lines for every session, a ``profiler_kineto.cpp ... Toggling CPU activity``
+warning whenever op recording is switched (the meter's sessions record no ops, see
+``compat.MemoryEventSession``), and its CPU allocator a ``CPUAllocator.cpp ... Memory block of
+unknown size`` warning when a block allocated outside any session is freed inside one. All go
+from C++ straight to file descriptor 2; no environment variable read after torch is imported
+silences them, and the exact meter runs sessions on every metered step (the main job printed 154
+such lines). So while the meter's sessions run, descriptor 2 is a pipe: a thread forwards every
+byte to the real stderr as it comes, except these lines. A partial line that cannot be the start
+of one (a progress bar redrawn with a carriage return) is forwarded at once, and chatter written
+after such a partial line is taken out of it, so nothing else is held back or reordered.
 """
 
 from __future__ import annotations
@@ -20,9 +22,15 @@ import sys
 import threading
 
 #: The lines dropped, as torch 2.13 prints them.
+_WARNING = rb"\[W\d{4} [\d:.]+ "  # c10's warning header: [W1126 21:33:37.274944199 file.cpp:245]
 CHATTER = re.compile(
-    rb"USDT:[^\n]*SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)"
-    rb"|\[W[^\]\n]*CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling started"
+    rb"USDT:[\d-]+ [\d:]+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)"
+    + rb"|"
+    + _WARNING
+    + rb"CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"
+    + rb"|"
+    + _WARNING
+    + rb"profiler_kineto\.cpp:\d+\] Toggling CPU activity with GPU activity on"
 )
 _CHATTER_STARTS = (b"USDT:", b"[W")
 _DRAIN_SECONDS = 2.0
@@ -42,26 +50,39 @@ def _forward(pipe_fd: int, out_fd: int) -> None:
 
 
 def _copy(pipe_fd: int, out_fd: int) -> None:
-    pending = b""
-    continuing = False  # the start of the current line was forwarded already
+    stripper = ChatterStripper()
     with os.fdopen(pipe_fd, "rb", buffering=0) as pipe:
         while chunk := pipe.read(1 << 16):
-            data, pending, out = pending + chunk, b"", []
-            if continuing:
-                head, newline, data = data.partition(b"\n")
-                out.append(head + newline)
-                continuing = not newline
-            if not continuing:
-                *lines, tail = data.split(b"\n")
-                out.extend(line + b"\n" for line in lines if not CHATTER.match(line))
-                if tail and not _may_be_chatter(tail):
-                    out.append(tail)
-                    continuing = True
-                else:
-                    pending = tail
-            _write_all(out_fd, b"".join(out))
-    if pending and not CHATTER.match(pending):
-        _write_all(out_fd, pending)
+            _write_all(out_fd, stripper.feed(chunk))
+    _write_all(out_fd, stripper.end())
+
+
+class ChatterStripper:
+    """The byte stream without chatter, given in chunks cut anywhere."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """What can be passed on now: complete lines, and the tail up to where chatter could be
+        starting (held until its line ends)."""
+        *lines, tail = (self._pending + chunk).split(b"\n")
+        held = next((i for i in range(len(tail)) if _may_be_chatter(tail[i:])), len(tail))
+        self._pending = tail[held:]
+        return b"".join(_without_chatter(line) for line in lines) + tail[:held]
+
+    def end(self) -> bytes:
+        """The rest, once the stream has ended."""
+        rest, self._pending = self._pending, b""
+        found = CHATTER.search(rest)
+        return rest if found is None else rest[: found.start()]
+
+
+def _without_chatter(line: bytes) -> bytes:
+    """A complete line and its newline, or what came before the chatter on it: chatter is written
+    as whole lines, but can follow a partial line of other output (a progress bar)."""
+    found = CHATTER.search(line)
+    return line + b"\n" if found is None else line[: found.start()]
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -200,3 +200,9 @@ class MemoryEventSession:
     def stop(self) -> Any:
         """End the session; its result, whose ``events()`` stay valid while it is referenced."""
         return _disable_profiler()
+
+
+def lightning_skips_backward(trainer: Any) -> bool:
+    """Whether Lightning's automatic optimisation skips this batch's backward and ``zero_grad``
+    (``StochasticWeightAveraging`` sets it for its batch-norm epoch); Lightning keeps the flag private."""
+    return bool(trainer.fit_loop._skip_backward)

@@ -161,3 +161,12 @@ def test_a_memory_event_session_records_allocations_and_marks_and_no_op() -> Non
     assert [e.nbytes() for e in events if e.name() == "[memory]"] == [1024, -1024]
     assert events[0].device_type() == compat.DeviceType.CPU
     assert not compat.profiler_enabled()
+
+
+def test_lightning_says_when_it_skips_a_batchs_backward() -> None:
+    import lightning as L
+
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+    assert compat.lightning_skips_backward(trainer) is False
+    trainer.fit_loop._skip_backward = True
+    assert compat.lightning_skips_backward(trainer) is True

@@ -14,15 +14,18 @@ parameter, with no table of optimizer classes to keep up to date.
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tbp.memory.breakdown import state_tensors, tensor_bytes
+from lightning_tbp.memory.meters import allocator_peak
 
 _PROBE_NUMEL = 7  # an odd size no scalar state (step counters) can be mistaken for
 
@@ -69,13 +72,8 @@ def state_copies_per_parameter(optimizer: torch.optim.Optimizer) -> int:
     counted as if it kept a full copy: an overestimate, which errs on the safe side."""
     probe = torch.zeros(_PROBE_NUMEL, requires_grad=True)
     probe.grad = torch.ones(_PROBE_NUMEL)
-    # only what the constructor takes (AdamW's defaults hold a key its __init__ refuses); device-only
-    # switches would refuse a CPU probe and do not change what state is kept
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    defaults.update({k: False for k in ("fused", "capturable") if defaults.get(k)})
     try:
-        twin = type(optimizer)([probe], **defaults)
+        twin = _twin(optimizer, [probe], portable=True)
         twin.step()
     except Exception as error:  # an optimizer we cannot imitate: say so rather than guess
         warnings.warn(
@@ -85,6 +83,82 @@ def state_copies_per_parameter(optimizer: torch.optim.Optimizer) -> int:
         )
         return 0
     return sum(1 for t in state_tensors(twin.state.get(probe, {})) if t.numel() == _PROBE_NUMEL)
+
+
+def _twin(optimizer: torch.optim.Optimizer, params: list[Any], portable: bool) -> torch.optim.Optimizer:
+    """A fresh optimizer of ``optimizer``'s class and defaults over ``params``. Only what the
+    constructor takes (AdamW's defaults hold a key its ``__init__`` refuses); ``portable``: without
+    the device-only switches (``fused``, ``capturable``), which refuse a CPU probe and do not
+    change what state is kept."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    if portable:
+        defaults.update({k: False for k in ("fused", "capturable") if defaults.get(k)})
+    return type(optimizer)(params, **defaults)
+
+
+#: Elements the step probe's replica of the parameters may hold at most (4 MiB in float32).
+_REPLICA_NUMEL = 1 << 20
+
+
+def optimizer_step_bytes(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> int:
+    """What an optimizer step allocates on ``device`` beyond the gradients and the state (its
+    temporaries), the highest of ``optimizers``.
+
+    Measured on a twin (same class, defaults and parameter groups) stepping a replica of the
+    parameters on the device, each scaled down by one factor (at most ``_REPLICA_NUMEL``
+    elements in all), then scaled up: a step's temporaries are element-wise, so they scale with
+    the sizes, and the replica keeps what decides them, whether an implementation works on a
+    group at once (torch's ``foreach``, the default on CUDA: in proportion to the group's total)
+    or one parameter at a time (the default on CPU: the largest, and the last one's temporaries
+    still held while the next one's are made). An optimizer that cannot be imitated is predicted
+    at 0, with a warning."""
+    return max((_step_bytes(optimizer, device) for optimizer in optimizers), default=0)
+
+
+def _step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    groups = [
+        [p for p in group["params"] if p.requires_grad and p.device.type == device.type]
+        for group in optimizer.param_groups
+    ]
+    numels = [local_bytes(p) // p.element_size() for group in groups for p in group]
+    if not numels:
+        return 0
+    scale = max(1, math.ceil(sum(numels) / _REPLICA_NUMEL))
+    replica = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [_probe(math.ceil(local_bytes(p) / p.element_size() / scale), p.dtype, device) for p in params],
+        }
+        for group, params in zip(optimizer.param_groups, groups, strict=True)
+        if params
+    ]
+    try:
+        twin = _twin(optimizer, replica, portable=device.type != "cuda")
+        highest = 0
+        for _ in range(2):  # the first makes the state (not counted), the second steps with it
+            before = _state_bytes(twin)
+            with allocator_peak(device) as reading:
+                twin.step()
+            highest = max(highest, reading.peak_bytes - (_state_bytes(twin) - before))
+    except Exception as error:
+        warnings.warn(
+            f"lightning_tbp: cannot predict the temporaries of a {type(optimizer).__name__} step ({error}); "
+            "plans leave no room for them",
+            stacklevel=4,
+        )
+        return 0
+    return highest * scale
+
+
+def _probe(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    probe = torch.zeros(numel, dtype=dtype, device=device, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    return probe
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state_tensors(state))
 
 
 def local_bytes(param: torch.Tensor) -> int:

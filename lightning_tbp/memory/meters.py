@@ -54,14 +54,23 @@ class AllocatorPeak:
     net_bytes: int = 0
     """Net allocation left when the region ended (what it kept alive)."""
     marks: list[Mark] = field(default_factory=list)
-    """The instants :meth:`mark` noted, in order (filled when the region ends on CPU)."""
+    """The instants :meth:`mark` noted, in order (on CPU filled when the region ends, or by
+    :meth:`marks_so_far`)."""
     _marker: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    _reader: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def mark(self) -> None:
         """Note this instant inside the region, to split its peak into windows (for one, a
         training step's loss: from its module's forward end to its output gradients)."""
         if self._marker is not None:
             self._marker()
+
+    def marks_so_far(self) -> list[Mark]:
+        """The marks noted up to now, while the region is still open (on CPU this reads the
+        allocation events recorded so far)."""
+        if self._reader is not None:
+            self._reader()
+        return self.marks
 
 
 def foreign_profiler_active() -> bool:
@@ -151,11 +160,10 @@ class _CpuSessions:
             self._level = 0
             self._profiler = self._started()
         else:
-            session = self._stop()
-            self._profiler = self._started()  # at once: nothing is allocated between the two
-            self._replay(session)
+            self.flush()
         region = _Region(next(self._keys), self._level, self._level, self._level, result)
         result._marker = functools.partial(self.mark, region.key)
+        result._reader = self.flush
         self._regions.append(region)
         return region
 
@@ -171,9 +179,16 @@ class _CpuSessions:
             if last:
                 self._quiet.stop()
         result = region.result
-        result._marker = None
+        result._marker = result._reader = None
         result.peak_bytes = region.peak_level - region.open_level
         result.net_bytes = self._level - region.open_level
+
+    def flush(self) -> None:
+        """Fold the events recorded so far into the open regions (a new session goes on)."""
+        if self._profiler is not None:
+            session = self._stop()
+            self._profiler = self._started()
+            self._replay(session)
 
     def _started(self) -> MemoryEventSession:
         return MemoryEventSession()
@@ -225,29 +240,67 @@ def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
             _CPU_SESSIONS.close(region)
 
 
+class _CudaPeaks:
+    """Every open CUDA region of one device, sharing the caching allocator's one peak counter.
+
+    A region (or a mark) resets the counter to start a window of its own, which would erase the
+    peak an enclosing region has not read yet; so before every reset the counter's peak is
+    folded into every open region, and regions nest and overlap as on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._regions: list[_Region] = []
+        self._keys = itertools.count()
+
+    def open(self, result: AllocatorPeak) -> _Region:
+        level = self._fold()
+        region = _Region(next(self._keys), level, level, level, result)
+        result._marker = functools.partial(self._mark, region)
+        self._regions.append(region)
+        return region
+
+    def close(self, region: _Region) -> None:
+        level = self._fold()
+        self._regions.remove(region)
+        result = region.result
+        result._marker = None
+        result.peak_bytes = region.peak_level - region.open_level
+        result.net_bytes = level - region.open_level
+
+    def _mark(self, region: _Region) -> None:
+        level = self._fold()
+        region.result.marks.append(Mark(level - region.open_level, region.window_level - region.open_level))
+        region.window_level = level
+
+    def _fold(self) -> int:
+        """The level now; the counter's peak since the last reset goes into every open region."""
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        for region in self._regions:
+            region.peak_level = max(region.peak_level, peak)
+            region.window_level = max(region.window_level, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+
+_CUDA_PEAKS: dict[torch.device, _CudaPeaks] = {}
+
+
+def cuda_peaks(device: torch.device) -> _CudaPeaks:
+    """The open regions of a CUDA device (one registry per device)."""
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _CUDA_PEAKS.setdefault(device, _CudaPeaks(device))
+
+
 @contextlib.contextmanager
 def _cuda_region(result: AllocatorPeak, device: torch.device) -> Iterator[None]:
-    torch.cuda.synchronize(device)
-    start = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    highest = 0  # of the windows before the last mark (each mark resets the allocator's peak)
-
-    def mark() -> None:
-        nonlocal highest
-        torch.cuda.synchronize(device)
-        window = torch.cuda.max_memory_allocated(device) - start
-        result.marks.append(Mark(torch.cuda.memory_allocated(device) - start, window))
-        highest = max(highest, window)
-        torch.cuda.reset_peak_memory_stats(device)
-
-    result._marker = mark
+    peaks = cuda_peaks(device)
+    region = peaks.open(result)
     try:
         yield
     finally:
-        result._marker = None
-    torch.cuda.synchronize(device)
-    result.peak_bytes = max(highest, torch.cuda.max_memory_allocated(device) - start)
-    result.net_bytes = torch.cuda.memory_allocated(device) - start
+        peaks.close(region)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,9 @@
 One interface, :class:`StageMeter`, chosen by device with :func:`stage_meter_for`:
 
 - CUDA reads the caching allocator's statistics at each mark (allocated and reserved, current
-  and peak) and resets the peak counters, so each stage's peak is its own. Values are absolute.
+  and peak); each stage's allocated peak is its own (a region of the device's shared peak
+  counter, :func:`lightning_tbp.memory.meters.allocator_peak`). Values are absolute. The
+  reserved peak is the allocator's since its last reset, which another meter may have made.
 - CPU has no allocator counters. A step is run inside one exact CPU region
   (:func:`lightning_tbp.memory.meters.allocator_peak`, profiler memory events); each stage is a
   mark of the region, which gives each stage's exact current and peak.
@@ -84,40 +86,45 @@ class CudaStageMeter(StageMeter):
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._readings: list[StageReading] = []
-        self._active = False
+        self._session: contextlib.ExitStack | None = None
+        self._reading: AllocatorPeak | None = None
+        self._base = 0
+        self._stats: list[tuple[str, int, int, int]] = []
 
     @property
     def active(self) -> bool:
-        return self._active
+        return self._session is not None
 
     def begin(self) -> None:
-        self._readings = []
-        self._active = True
-        torch.cuda.reset_peak_memory_stats(self.device)
+        self._stats = []
+        self._session = contextlib.ExitStack()
+        self._base = torch.cuda.memory_allocated(self.device)
+        # a region of the allocator's shared peak counter, so other meters' windows do not erase its own
+        self._reading = self._session.enter_context(allocator_peak(self.device))
 
     def mark(self, stage: str) -> None:
+        if self._reading is None:
+            raise RuntimeError("CudaStageMeter.mark() outside begin()/end()")
         stats = torch.cuda.memory_stats(self.device)
-        self._readings.append(
-            StageReading(
-                stage=stage,
-                current_bytes=stats["allocated_bytes.all.current"],
-                peak_bytes=stats["allocated_bytes.all.peak"],
-                rss_bytes=process_rss_bytes(),
-                reserved_bytes=stats["reserved_bytes.all.current"],
-                peak_reserved_bytes=stats["reserved_bytes.all.peak"],
-            )
-        )
-        torch.cuda.reset_peak_memory_stats(self.device)
+        reserved = (stats["reserved_bytes.all.current"], stats["reserved_bytes.all.peak"])
+        self._stats.append((stage, process_rss_bytes(), *reserved))
+        self._reading.mark()
 
     def end(self) -> list[StageReading]:
-        readings, self._readings = self._readings, []
-        self._active = False
-        return readings
+        if self._session is None or self._reading is None:
+            raise RuntimeError("CudaStageMeter.end() without begin()")
+        self._session.close()
+        marks, self._session, self._reading = self._reading.marks, None, None
+        return [
+            StageReading(stage, self._base + m.level_bytes, self._base + m.peak_before_bytes, rss, reserved, peak)
+            for (stage, rss, reserved, peak), m in zip(self._stats, marks, strict=True)
+        ]
 
     def abort(self) -> None:
-        self._readings = []
-        self._active = False
+        if self._session is not None:
+            self._session.close()
+        self._session = self._reading = None
+        self._stats = []
 
 
 class CpuStageMeter(StageMeter):

@@ -45,7 +45,7 @@ from lightning_tbp.remat.signature import (
 )
 from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
-from lightning_tbp.remat.step import step_model_for
+from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace
 from lightning_tbp.remat.verify import StepMeter, StepReading, Verification
 
@@ -88,6 +88,7 @@ class Plan:
         agree: Agreement | None = None,
         backward_passes: int = 1,
         held: Callable[[], HeldMemory] | None = None,
+        loop: LoopModel = PLAIN_LOOP,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -101,13 +102,17 @@ class Plan:
         attached to the module declares its own passes (``step.py``), which count too.
         ``held``: what training keeps on the device outside the step (parameters, optimizer
         state), asked at each new plan; a byte budget is then the device's total (see
-        :meth:`MemoryBudget.resolve`)."""
+        :meth:`MemoryBudget.resolve`).
+        ``loop``: the gradients the training loop holds when a step starts and its optimizer
+        step (``step.LoopModel``); plans hold in every case it lists. By default a step starts
+        without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`."""
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
             raise ValueError(f"backward_passes must be at least 1, got {backward_passes}")
         self.backward_passes = backward_passes
         self.held = held
+        self.loop = loop
         self.module = module
         self.measure = measure
         self.batch_ceiling = batch_ceiling
@@ -206,7 +211,33 @@ class Plan:
         return self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
 
     def _solver(self, trace: Trace, loss_bytes: int) -> Solver:
-        return Solver(Simulator(trace, step_model_for(self.module), loss_bytes), selective=self._selective())
+        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, self.loop)
+        return Solver(simulator, selective=self._selective())
+
+    def set_loop(self, loop: LoopModel) -> None:
+        """Plan for another training loop from now on: every shape planned so far is solved
+        again (no new profile) and its next step metered. Raises :class:`InfeasibleBudgetError`
+        if a shape cannot meet its budget in the new loop."""
+        if loop == self.loop:
+            return
+        self.loop = loop
+        for key, shape_plan in list(self.shape_plans.items()):
+            profile = self._profiles[key]
+            profile.solver = self._solver(profile.trace, profile.solver.sim.loss_bytes)
+            solved = self._agreed(
+                profile.signature, lambda p=profile, c=shape_plan.correction: self._solve_profile(p, correction=c)
+            )
+            solved.profile_seconds = shape_plan.profile_seconds
+            self.shape_plans[key] = solved
+            self._meter_next.add(key)
+            if self.current is shape_plan:
+                self.current = None
+            log.info(
+                "lightning_tbp plan for %s, solved again for %s:\n%s",
+                type(self.module).__name__,
+                loop.describe(),
+                self.report(solved),
+            )
 
     def _solve(self, key: Signature, signature: Signature, args: tuple, kwargs: dict) -> ShapePlan:
         """Profile this call (the plain module, not the plan in force) and solve it."""

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
 from lightning_tbp.remat.shape_plan import ShapePlan, describe_held, describe_loss
+from lightning_tbp.remat.step import PLAIN_LOOP
 from lightning_tbp.remat.verify import describe_step_time
 
 
@@ -26,11 +27,12 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         else f"budget {format_bytes(sp.budget_bytes)} ({budget.describe()}); "
     )
     step = "" if sp.step == "plain" else f" (the step simulated: {sp.step})"
+    loop = "" if sp.loop == PLAIN_LOOP else f"\nthe training loop modelled: {sp.loop.describe()}"
     lines += [
         "-" * len(header),
         budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
         f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
-        f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}",
+        f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}{loop}",
         f"the prediction counts {describe_loss(sp.loss_bytes, sp.loss_measured)}"
         if sp.loss_bytes
         else "the loss computed from the module's outputs is not counted until a metered step measures it",
@@ -71,6 +73,11 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "predicted_peak_bytes": sp.predicted_peak_bytes,
         "predicted_peak_ratio": sp.predicted_peak_bytes / sp.naive.peak_bytes,
         "predicted_peak_at": sp.peak_block,
+        "loop": {
+            "gradients_at_forward": sorted(case.value for case in sp.loop.gradients),
+            "optimizer_step_bytes": sp.loop.optimizer_step_bytes,
+            "predicted_peak_bytes_by_case": {case.value: peak for case, peak in sp.planned.case_peaks.items()},
+        },
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,

@@ -18,6 +18,7 @@ from lightning_tbp.remat.budget import MemoryBudget, format_bytes
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.simulate import Option, SimResult, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, PriorGradients
 from lightning_tbp.remat.trace import Trace
 
 
@@ -53,6 +54,7 @@ class ShapePlan:
     step_ns: float  # predicted time of the unplanned step (``Simulator.step_ns``)
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
+    loop: LoopModel = PLAIN_LOOP  # the training loop's cases it holds in
     blocks: list[BlockDecision] = field(default_factory=list)
     edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
     peak_block: str = ""  # the block whose forward, recompute or backward the predicted peak falls in
@@ -75,7 +77,12 @@ class ShapePlan:
 
     @property
     def predicted_peak_bytes(self) -> int:
+        """The highest of the loop's cases (``loop``)."""
         return self.planned.peak_bytes
+
+    def predicted_case_bytes(self, case: PriorGradients) -> int:
+        """The predicted peak of a step in ``case`` (with the gradients the loop holds then)."""
+        return self.planned.case_peaks.get(case, self.planned.peak_bytes)
 
     @property
     def planned_step_ns(self) -> float:
@@ -169,6 +176,7 @@ def solve_shape(
         step_ns=simulator.step_ns,
         parameter_grad_bytes=trace.parameter_grad_bytes,
         step=simulator.step.name,
+        loop=simulator.loop,
         blocks=_block_table(trace, simulator, options, planned),
         edges=trace.block_edges(),
         peak_block=_peak_block(trace, simulator, options, planned),
@@ -242,6 +250,8 @@ def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int
 
 
 def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> str:
+    if planned.peak_in_optimizer_step:
+        return "optimizer step (on the gradients, after the backward)"
     if planned.peak_in_loss:
         return "loss (after the module's forward, before its backward)"
     snapshot = simulator.snapshot(options, planned.peak_step)

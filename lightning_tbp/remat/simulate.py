@@ -39,7 +39,7 @@ from enum import IntEnum
 from typing import NamedTuple
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
-from lightning_tbp.remat.step import PLAIN_STEP, BackwardPass, StepModel, TapNote
+from lightning_tbp.remat.step import PLAIN_LOOP, PLAIN_STEP, BackwardPass, LoopModel, PriorGradients, StepModel, TapNote
 from lightning_tbp.remat.trace import Trace
 
 #: Ops whose backward hands each input a slice *view* of the output gradient: an input's
@@ -101,6 +101,9 @@ class SimResult:
     peak_step: int
     recompute_counts: dict[int, int] = field(default_factory=dict)
     peak_in_loss: bool = False  # the peak falls in the loss's window (``Simulator`` ``loss_bytes``)
+    peak_in_optimizer_step: bool = False  # the peak is the optimizer's step (``LoopModel``)
+    case_peaks: dict[PriorGradients, int] = field(default_factory=dict)
+    """The peak of the step in each case of the loop (``LoopModel.gradients``)."""
 
 
 def dead_branches(trace: Trace) -> tuple[list[bool], dict[int, list[int]]]:
@@ -175,12 +178,17 @@ class Simulator:
     single backward by default. ``loss_bytes``: what the step's loss holds at its peak above the
     state at the module's forward end, its outputs' gradients included (measured on a real step,
     ``verify.StepReading``; 0 until then): the loss is computed outside the module, so no trace
-    sees it, and every backward pass runs its backward first."""
+    sees it, and every backward pass runs its backward first. ``loop``: the gradients the
+    training loop holds when the step starts and its optimizer step (``step.LoopModel``); one
+    replay follows every case, and a result's peak is the highest of them."""
 
-    def __init__(self, trace: Trace, step: StepModel = PLAIN_STEP, loss_bytes: int = 0) -> None:
+    def __init__(
+        self, trace: Trace, step: StepModel = PLAIN_STEP, loss_bytes: int = 0, loop: LoopModel = PLAIN_LOOP
+    ) -> None:
         self.trace = trace
         self.step = step
         self.loss_bytes = loss_bytes
+        self.loop = loop
         self.taps = {tap.event: tap for tap in trace.taps}
         # passes that compute gradients (the probe does not): each unpacks, so rebuilds, again
         self.backward_passes = sum(p.parameter_gradients or bool(p.tap_transient) for p in step.passes)
@@ -469,6 +477,16 @@ class _Replay:
         self.deferring = False  # inside such a block's backward: its taps book nothing
         self.timing = True  # costs are charged (not in a first-step-only probe pass)
         self.loss_steps: set[int] = set()
+        # the training loop's cases (``LoopModel``): ``mem`` is the level of a step that starts
+        # without gradients; the others are offsets of it, followed at every tick
+        self.cases = sim.loop.gradients
+        self.plain_loop = self.cases == PLAIN_LOOP.gradients
+        self.prior_bytes = 0 if self.plain_loop else self.trace.parameter_grad_bytes
+        self.case_peaks = dict.fromkeys(self.cases, 0)
+        self.in_backward = False
+        self.parameter_grads = 0  # parameter gradient bytes the step wrote so far
+        self.written_now = 0  # of those, written since the last tick
+        self.optimizer_step = -1
 
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
@@ -483,6 +501,7 @@ class _Replay:
                 self.loss_steps.add(self.step)
                 self.tick()
                 self.mem -= sim.loss_bytes
+            self.in_backward = True  # Lightning frees the last step's gradients here
             for sid in trace.module_outputs:
                 if trace.storage_needs_grad[sid] and sid not in self.grads:
                     self.grads.add(sid)
@@ -490,6 +509,11 @@ class _Replay:
             self.tick()
             self.backward(0, 0, trace.num_events - 1)
             self.end_pass()
+        if sim.loop.optimizer_step_bytes:  # on the gradients, after the backward
+            self.mem += sim.loop.optimizer_step_bytes
+            self.optimizer_step = self.step
+            self.tick()
+            self.mem -= sim.loop.optimizer_step_bytes
 
     def result(self) -> SimResult:
         return SimResult(
@@ -500,6 +524,8 @@ class _Replay:
             peak_step=self.peak_step,
             recompute_counts=self.recompute_counts,
             peak_in_loss=self.peak_step in self.loss_steps,
+            peak_in_optimizer_step=self.peak_step == self.optimizer_step,
+            case_peaks={PriorGradients.RELEASED: self.peak} if self.plain_loop else dict(self.case_peaks),
         )
 
     # -- bookkeeping ----------------------------------------------------------------------------
@@ -512,10 +538,11 @@ class _Replay:
         return self.storage_sizes[sid]
 
     def tick(self) -> None:
-        if self.mem > self.peak:
-            if self.mem > self.limit_bytes:
+        level = self.mem if self.plain_loop else self.loop_level()
+        if level > self.peak:
+            if level > self.limit_bytes:
                 raise _OverLimit
-            self.peak, self.peak_step = self.mem, self.step
+            self.peak, self.peak_step = level, self.step
         if self.step == self.capture_step:
             raise _Captured(
                 Snapshot(
@@ -527,6 +554,31 @@ class _Replay:
                 )
             )
         self.step += 1
+
+    def loop_level(self) -> int:
+        """The highest level of the loop's cases now (their peaks kept): ``mem`` is the step that
+        starts without gradients; the last step's gradients add on until the backward; accumulated
+        ones add on throughout, less those the step has written (it adds into them), plus what it
+        wrote since the last tick (its new gradient, summed in and freed)."""
+        highest = 0
+        for case in self.cases:
+            if case is PriorGradients.RELEASED:
+                level = self.mem
+            elif case is PriorGradients.UNTIL_BACKWARD:
+                level = self.mem + (0 if self.in_backward else self.prior_bytes)
+            else:
+                level = self.mem - self.parameter_grads + self.prior_bytes + self.written_now
+            if level > self.case_peaks[case]:
+                self.case_peaks[case] = level
+            highest = max(highest, level)
+        self.written_now = 0
+        return highest
+
+    def wrote_parameter_gradients(self, nbytes: int) -> None:
+        """The step writes ``nbytes`` of parameter gradients (kept to the step's end)."""
+        self.mem += nbytes
+        self.parameter_grads += nbytes
+        self.written_now += nbytes
 
     def hold(self, sids: list[int]) -> list[int]:
         held = [sid for sid in sids if sid in self.alive]
@@ -781,7 +833,8 @@ class _Replay:
         self.pending = {}
         for holds, grad, tap in self.book:
             transient = tap.sum_bytes + tap.book_copy_bytes
-            self.mem += tap.parameter_bytes + transient
+            self.wrote_parameter_gradients(tap.parameter_bytes)
+            self.mem += transient
             self.tick()
             self.mem -= transient
             self.release(holds)
@@ -946,8 +999,10 @@ class _Replay:
                 self.grad_views[base] = self.grad_views.get(base, 0) + 1
                 if facts.slices_grad or outputs[0] in self.grad_slices:
                     self.grad_slices.add(sid)
-            else:
+            elif sim.is_activation[sid]:
                 self.mem += sizes[sid]
+            else:
+                self.wrote_parameter_gradients(sizes[sid])
         if facts.needs_contiguous_grad and self.grad_slices:  # a slice-view gradient is copied to contiguous first
             transient += sum(sizes[sid] for sid in outputs if sid in self.grad_slices)
         for sid in facts.grads_accumulated:
@@ -970,7 +1025,7 @@ class _Replay:
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)
         if tap is not None and self.pass_ is _REPLAY_PASS:
-            self.mem += tap.parameter_bytes  # the replay writes its clipped sum into the gradients
+            self.wrote_parameter_gradients(tap.parameter_bytes)  # the replay writes its clipped sum into them
         if tap is not None and self.pass_.books_taps and not self.deferring and tap.output_sid in self.grads:
             if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book
                 kept = self.new_storage(rebuilt)

@@ -22,9 +22,12 @@ import contextvars
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 import torch
 from torch import nn
+
+from lightning_tbp.remat.budget import format_bytes
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,46 @@ class StepModel:
 
 
 PLAIN_STEP = StepModel()
+
+
+class PriorGradients(Enum):
+    """Which parameter gradients a training loop holds when a step's forward starts."""
+
+    RELEASED = "released"
+    """None (the first step; a step whose loop frees them before the forward)."""
+    UNTIL_BACKWARD = "until_backward"
+    """The last step's, through the forward and the loss; freed before the backward (Lightning's
+    automatic optimisation zeroes them after ``training_step``)."""
+    ACCUMULATED = "accumulated"
+    """Through the whole step, the backward adding into them (gradient accumulation's later
+    micro-batches; a loop whose ``zero_grad`` keeps them)."""
+
+
+@dataclass(frozen=True)
+class LoopModel:
+    """What the training loop around the step adds to it; a plan must hold in every case listed.
+
+    The trace sees one forward of the module; the loop decides what else is alive: the previous
+    step's gradients (``gradients``) and, after the backward, the optimizer's step, whose
+    temporaries come on top of the gradients (``optimizer_step_bytes``; 0: not modelled)."""
+
+    gradients: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
+    optimizer_step_bytes: int = 0
+
+    def describe(self) -> str:
+        cases = {
+            PriorGradients.RELEASED: "none",
+            PriorGradients.UNTIL_BACKWARD: "the last step's until the backward",
+            PriorGradients.ACCUMULATED: "accumulated ones through the step",
+        }
+        held = " or ".join(cases[case] for case in PriorGradients if case in self.gradients)
+        text = f"gradients alive at the forward: {held}"
+        if self.optimizer_step_bytes:
+            text += f"; the optimizer step's temporaries {format_bytes(self.optimizer_step_bytes)} after the backward"
+        return text
+
+
+PLAIN_LOOP = LoopModel()
 
 
 @dataclass

@@ -22,17 +22,29 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_tbp.compat import tree_flatten
+from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.remat.verify import StepClock, describe_step_time
+from lightning_tbp.remat.step import LoopModel, PriorGradients
+from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
+from lightning_tbp.strategies.loop import (
+    LoopStep,
+    LoopWatch,
+    case_of_step,
+    gradient_bytes,
+    loop_model,
+    release_gradients_early,
+)
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
 
 
@@ -100,6 +112,9 @@ class TinyBackpropMixin:
         target_epsilon: calibrate sigma so the planned steps spend at most this epsilon.
         target_delta: the delta of (epsilon, delta)-DP.
         accountant: ``"prv"`` (default) or ``"rdp"``, Opacus's accountants.
+        verify_every_n_steps: besides the first three steps, meter one whole step of the loop in
+            this many and check it against the plan (0: the first three only); see
+            :class:`~lightning_tbp.strategies.loop.LoopWatch`.
     """
 
     def __init__(
@@ -112,9 +127,19 @@ class TinyBackpropMixin:
         target_epsilon: float | None = None,
         target_delta: float | None = None,
         accountant: str | None = None,
+        verify_every_n_steps: int = 50,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if (
+            isinstance(verify_every_n_steps, bool)
+            or not isinstance(verify_every_n_steps, int)
+            or verify_every_n_steps < 0
+        ):
+            raise ValueError(
+                f"verify_every_n_steps must be an int >= 0 (0: only the first steps), got {verify_every_n_steps!r}"
+            )
+        self.verify_every_n_steps = verify_every_n_steps
         # fail on bad options before training
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
         self.privacy = _private_training(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
@@ -123,6 +148,11 @@ class TinyBackpropMixin:
         self._reported: set[int] = set()
         self._clock = StepClock()
         self._clock_hook: torch.utils.hooks.RemovableHandle | None = None
+        self._watch: LoopWatch | None = None
+        self._watched_plans: dict[int, ShapePlan] = {}  # by batch index: the plan each watched step ran
+        self._loop_steps: list[tuple[LoopStep, ShapePlan]] = []
+        self._watch_first = 3
+        self._batch_index = -1
 
     # -- the parts of the Lightning strategy API that change --------------------------------------
     @override
@@ -152,8 +182,22 @@ class TinyBackpropMixin:
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
             self.plan = Plan(
-                module, self.memory_budget, measure=True, agree=agree, backward_passes=passes, held=self.held_memory
+                module,
+                self.memory_budget,
+                measure=True,
+                agree=agree,
+                backward_passes=passes,
+                held=self.held_memory,
+                loop=loop_model(self.lightning_module, self.root_device),
             )
+            # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
+            # started, and torch runs one at a time: the plan is then checked only where no profiler runs
+            profiled = self.root_device.type == "cpu" and isinstance(trainer.profiler, PyTorchProfiler)
+            every = self.verify_every_n_steps
+            self._watch = None if profiled else LoopWatch(self.root_device, self._watch_first, every)
+            self._watched_plans.clear()
+            self._loop_steps.clear()
+            self._batch_index = -1
             self._clock = StepClock()
             # after the plan's own pre-hook, so a step starts once its plan is made
             self._clock_hook = module.register_forward_pre_hook(self._forward_started, with_kwargs=True)
@@ -244,12 +288,64 @@ class TinyBackpropMixin:
         if self.privacy is not None and self.privacy.is_empty(args[0] if args else None):
             return None  # a Poisson micro-batch can be empty: no forward; noise still comes at the step
         module = self.lightning_module
-        one_window = module.automatic_optimization and module.trainer.accumulate_grad_batches == 1
-        if self.plan is not None and self.plan.awaits_measurement and one_window:
-            # the step of a corrected plan is metered, which needs it to start without gradients:
-            # free them now rather than between forward and backward, as Lightning would anyway
-            module.zero_grad(set_to_none=True)
-        return super().training_step(*args, **kwargs)
+        batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+        release_gradients_early(module, batch_idx)  # see ``strategies/loop.py``
+        if self.plan is not None:
+            case = case_of_step(module, gradient_bytes(self.target_module()[0].parameters()), batch_idx)
+            self._widen_loop(case)
+            if self._watch is not None:
+                self._watch.step_case(case)
+        output = super().training_step(*args, **kwargs)
+        if self.plan is not None and self.plan.current is not None:
+            self._watched_plans[self._batch_index] = self.plan.current
+        return output
+
+    def _widen_loop(self, case: PriorGradients) -> None:
+        """A step starts with gradients the plan's loop did not count (manual optimisation that
+        keeps them, an optimizer whose ``zero_grad`` zeroes in place): plan for that case too,
+        before this step's forward."""
+        assert self.plan is not None
+        loop = self.plan.loop
+        if case in loop.gradients:
+            return
+        rank_zero_info(
+            f"tiny_backprop: a step starts with parameter gradients alive ({case.value}), which the plan did not "
+            "count: planning for that too"
+        )
+        self.plan.set_loop(LoopModel(loop.gradients | {case}, loop.optimizer_step_bytes))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._batch_index += 1
+        if self._watch is None:
+            return
+        module = self.lightning_module
+        alive = gradient_bytes(module.parameters()) + _tensor_bytes_on(batch, self.root_device)
+        ended = self._watch.batch_started(
+            self._batch_index, alive, self._optimizer_state_bytes(), can_meter(self.root_device)
+        )
+        self._check_loop_step(ended)
+
+    def _optimizer_state_bytes(self) -> int:
+        return tensor_bytes(self.lightning_module, self.optimizers, self.root_device).optimizer_state
+
+    def _check_loop_step(self, step: LoopStep | None) -> None:
+        """A whole metered step of the loop against its plan's prediction for its case."""
+        shape_plan = None if step is None else self._watched_plans.pop(step.index, None)
+        if step is None or shape_plan is None or self.plan is None:
+            return
+        predicted = shape_plan.predicted_case_bytes(step.case)
+        within = step.peak_bytes <= shape_plan.budget_bytes
+        self._loop_steps.append((step, shape_plan))
+        if step.index < self._watch_first or not within or abs(step.peak_bytes / predicted - 1) > 0.05:
+            rank_zero_info(
+                f"tiny_backprop: training step {step.index} (gradients at its forward: {step.case.value}) peaked at "
+                f"{format_bytes(step.peak_bytes)} above what training holds, {step.peak_bytes / predicted:.3f}x the "
+                f"predicted {format_bytes(predicted)}, {'within' if within else 'OVER'} the budget "
+                f"{format_bytes(shape_plan.budget_bytes)} on rank 0"
+            )
+        self._replan_if_over(shape_plan, step.peak_bytes, predicted)
 
     @override
     def backward(
@@ -264,15 +360,21 @@ class TinyBackpropMixin:
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.privacy is None:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_noise() -> Any:
+        def closure_then_step() -> Any:
             result = closure()  # the last micro-batch's forward and backward
-            self.privacy.finish_logical_batch(add_noise=self.global_rank == 0)
+            if self.privacy is not None:
+                self.privacy.finish_logical_batch(add_noise=self.global_rank == 0)
+            if self._watch is not None:
+                self._watch.optimizer_stepping()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_noise, model, **kwargs)
+        return super().optimizer_step(optimizer, closure_then_step, model, **kwargs)
+
+    @override
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        if self._watch is not None:
+            self._check_loop_step(self._watch.stop(self._optimizer_state_bytes()))
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -291,22 +393,14 @@ class TinyBackpropMixin:
             rank_zero_info(f"tiny_backprop: {describe_step_time(timed)} on rank 0")
 
     def _check_plan(self, checked: ShapePlan) -> None:
-        """The measured peak against the prediction and the budget: logged, and over the budget
-        (on any process) re-planned with the measured error folded in, on every process alike."""
+        """The plan's metered forward and backward (a step that started without gradients) against
+        its prediction and the budget: logged, and over the budget re-planned."""
         measured = checked.measured_peak_bytes
         comparable = checked.measured_at_planned_batch  # else the prediction was for a larger batch
-        ratio = 0.0 if measured is None else measured / checked.budget_bytes
-        if measured is not None and comparable:
-            ratio = max(ratio, measured / checked.predicted_peak_bytes)
-        over = float(measured is not None and measured > checked.budget_bytes)
-        if self.world_size > 1:  # one decision for all processes: the worst of them
-            ratio, over = (
-                float(self.reduce(torch.tensor(v, device=self.root_device), reduce_op="max")) for v in (ratio, over)
-            )
+        predicted = checked.predicted_case_bytes(PriorGradients.RELEASED)
         if measured is not None:
             against = (
-                f"vs predicted {format_bytes(checked.predicted_peak_bytes)} "
-                f"({measured / checked.predicted_peak_bytes:.3f}x)"
+                f"vs predicted {format_bytes(predicted)} ({measured / predicted:.3f}x)"
                 if comparable
                 else f"at batch {checked.measured_batch_size} (planned for up to {checked.batch_size})"
             )
@@ -314,12 +408,39 @@ class TinyBackpropMixin:
             counted = format_bytes(checked.loss_bytes)
             loss = "" if loss is None else f"; its loss {format_bytes(loss)}, counted as {counted}"
             rank_zero_info(
-                f"tiny_backprop: measured peak {format_bytes(measured)} {against}, "
+                f"tiny_backprop: measured peak {format_bytes(measured)} (forward and backward) {against}, "
                 f"{'within' if measured <= checked.budget_bytes else 'OVER'} the budget "
                 f"{format_bytes(checked.budget_bytes)} on rank 0{loss}"
             )
-        if over:
+        self._replan_if_over(checked, measured, predicted if comparable else None)
+
+    def _replan_if_over(self, checked: ShapePlan, measured: int | None, predicted: int | None) -> None:
+        """Re-plan ``checked`` with the measured error folded in if ``measured`` passed its budget on
+        any process (every process alike; ``predicted`` None: not comparable, a smaller batch)."""
+        assert self.plan is not None
+        ratio = 0.0 if measured is None else measured / checked.budget_bytes
+        if measured is not None and predicted is not None:
+            ratio = max(ratio, measured / predicted)
+        over = float(measured is not None and measured > checked.budget_bytes)
+        if self.world_size > 1:  # one decision for all processes: the worst of them
+            ratio, over = (
+                float(self.reduce(torch.tensor(v, device=self.root_device), reduce_op="max")) for v in (ratio, over)
+            )
+        if over and any(checked is planned for planned in self.plan.shape_plans.values()):
             self.plan.correct(checked, ratio)
+
+    def loop_steps(self) -> list[dict[str, Any]]:
+        """The whole steps of the loop metered so far, each with its plan's prediction and budget."""
+        return [
+            {
+                "step": step.index,
+                "gradients_at_forward": step.case.value,
+                "peak_bytes": step.peak_bytes,
+                "predicted_bytes": shape_plan.predicted_case_bytes(step.case),
+                "budget_bytes": shape_plan.budget_bytes,
+            }
+            for step, shape_plan in self._loop_steps
+        ]
 
     def dp_buffer_stats(self) -> BufferStats | None:
         """The DP engine's held bytes (per-sample norms, materialised per-sample gradients,
@@ -343,6 +464,8 @@ class TinyBackpropMixin:
 
     @override
     def teardown(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
         if self.privacy is not None:
             self.privacy.teardown()
         if self._clock_hook is not None:
@@ -351,3 +474,13 @@ class TinyBackpropMixin:
         if self.plan is not None:
             self.plan.remove()  # the module is restored; the plan object stays for its reports
         super().teardown()
+
+
+def _tensor_bytes_on(batch: object, device: torch.device) -> int:
+    """Bytes of the distinct storages of ``batch``'s tensors on ``device``."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in tree_flatten(batch)[0]
+        if isinstance(t, torch.Tensor) and t.device.type == device.type
+    }
+    return sum(storages.values())

@@ -1,0 +1,189 @@
+"""The training loop a plan must hold in: what Lightning keeps alive around the planned step.
+
+A plan is made for one forward and backward of the module. Lightning's loop adds to it:
+
+- **The last step's gradients.** Automatic optimisation runs ``training_step`` before
+  ``zero_grad``, so the forward runs with the previous step's gradients alive (a whole fit of
+  the main job peaked 1.07x its budget on every step but the first). Where Lightning zeroes
+  them before this batch's backward anyway and nothing can read them in between (the stock
+  ``optimizer_zero_grad``, no ``on_before_zero_grad`` override, the first micro-batch of an
+  accumulation window), the strategy frees them before the forward instead
+  (:func:`release_gradients_early`): the same training, less memory. Where it cannot, or where
+  they must stay (the later micro-batches of gradient accumulation, manual optimisation that
+  keeps them), the plan counts them (:func:`loop_model`, ``PriorGradients``).
+- **The optimizer's step**, after the backward: its temporaries on top of the gradients,
+  predicted by ``memory.held.optimizer_step_bytes``.
+
+:class:`LoopWatch` meters whole steps of the loop, as the user runs them (the first few and one
+in every ``every`` after), so the plan's word is checked where it is promised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
+
+from lightning_tbp.compat import lightning_skips_backward
+from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
+from lightning_tbp.remat.step import LoopModel, PriorGradients
+
+
+def zero_grad_is_lightnings(module: pl.LightningModule) -> bool:
+    """Whether this batch's gradients are zeroed by Lightning's own ``optimizer.zero_grad()`` and
+    no hook reads them between ``training_step`` and that call."""
+    trainer = module.trainer
+    if not module.automatic_optimization or is_overridden("optimizer_zero_grad", module, pl.LightningModule):
+        return False
+    if is_overridden("on_before_zero_grad", module, pl.LightningModule):
+        return False
+    return not any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+
+
+def release_gradients_early(module: pl.LightningModule, batch_idx: object) -> bool:
+    """Free the last step's gradients now, before the forward, when Lightning would free them
+    after it (before the backward) and nothing can tell the difference; returns whether it did."""
+    trainer = module.trainer
+    if not isinstance(batch_idx, int) or not zero_grad_is_lightnings(module) or lightning_skips_backward(trainer):
+        return False
+    if batch_idx % trainer.accumulate_grad_batches != 0:
+        return False
+    for optimizer in trainer.optimizers:
+        optimizer.zero_grad()  # what the stock ``LightningModule.optimizer_zero_grad`` calls
+    return True
+
+
+def loop_model(module: pl.LightningModule, device: torch.device) -> LoopModel:
+    """The cases of the loop the plan must hold in, as its configuration says (a loop seen to
+    keep gradients the configuration did not announce widens it: :func:`case_of_step`)."""
+    trainer = module.trainer
+    cases = {PriorGradients.RELEASED}
+    if module.automatic_optimization:
+        if not zero_grad_is_lightnings(module):
+            cases.add(PriorGradients.UNTIL_BACKWARD)
+        if trainer.accumulate_grad_batches > 1:
+            cases.add(PriorGradients.ACCUMULATED)
+    return LoopModel(frozenset(cases), optimizer_step_bytes(trainer.optimizers, device))
+
+
+def gradient_bytes(params: Iterable[nn.Parameter]) -> int:
+    """Bytes of the gradients these parameters hold now (this process's shards)."""
+    return sum(local_bytes(p.grad) for p in params if p.grad is not None)
+
+
+def case_of_step(module: pl.LightningModule, alive_gradient_bytes: int, batch_idx: object) -> PriorGradients:
+    """Which case of the loop this step is, from the gradients alive as its forward starts."""
+    if not alive_gradient_bytes:
+        return PriorGradients.RELEASED
+    window_start = isinstance(batch_idx, int) and batch_idx % module.trainer.accumulate_grad_batches == 0
+    if module.automatic_optimization and window_start and zero_grad_is_lightnings(module):
+        return PriorGradients.UNTIL_BACKWARD
+    return PriorGradients.ACCUMULATED
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    """One metered step of the loop: from its batch's start to the next batch's start (the
+    optimizer step, the callbacks, any validation in between included)."""
+
+    index: int
+    case: PriorGradients
+    peak_bytes: int
+    """Its peak above what training holds outside the step (parameters, EMA copies, optimizer
+    state): the gradients and the batch alive at its start count, as the state its first
+    optimizer step made does not."""
+
+
+@dataclass
+class _Open:
+    index: int
+    case: PriorGradients
+    base_level: int  # the meter's level less what the step holds at its start (gradients, batch)
+    state_bytes: int  # the optimizer state held at its start
+    optimizer_mark: int | None = None  # the mark at its optimizer step, when one ran
+
+
+class LoopWatch:
+    """Meters whole steps of the loop: the first ``first``, then one in every ``every``.
+
+    One exact region runs from the batch before a metered step (so every block the step frees
+    was allocated under the meter: the last step's gradients, its outputs) to the start of the
+    batch after it; marks split it at each batch start and at the optimizer step, which is where
+    the first step's optimizer state appears (held outside the step, so not counted)."""
+
+    def __init__(self, device: torch.device, first: int = 3, every: int = 50) -> None:
+        self.device, self.first, self.every = device, first, every
+        self._stack: contextlib.ExitStack | None = None
+        self._reading: AllocatorPeak | None = None
+        self._step: _Open | None = None
+        self._marks = 0
+        self.steps: list[LoopStep] = []
+
+    def watched(self, index: int) -> bool:
+        return index < self.first or (self.every > 0 and index % self.every == 0)
+
+    def batch_started(self, index: int, alive_bytes: int, state_bytes: int, can_meter: bool) -> LoopStep | None:
+        """A batch starts with ``alive_bytes`` held for the step (gradients, the batch) and
+        ``state_bytes`` of optimizer state; returns the metered step that just ended, if any."""
+        ended = self._end_step(state_bytes)
+        if self._reading is None and can_meter and (self.watched(index) or self.watched(index + 1)):
+            self._stack = contextlib.ExitStack()
+            self._reading = self._stack.enter_context(allocator_peak(self.device))
+            self._marks = 0
+        if self._reading is None:
+            return ended
+        level = self._mark()
+        if self.watched(index):
+            self._step = _Open(index, PriorGradients.RELEASED, level - alive_bytes, state_bytes)
+        elif not self.watched(index + 1):
+            self.stop()
+        return ended
+
+    def step_case(self, case: PriorGradients) -> None:
+        """The step's forward starts in ``case`` (known once the strategy has freed what it frees)."""
+        if self._step is not None:
+            self._step.case = case
+
+    def optimizer_stepping(self) -> None:
+        """The optimizer's step is about to run (the backward is over)."""
+        if self._step is not None and self._reading is not None:
+            self._mark()
+            self._step.optimizer_mark = self._marks - 1
+
+    def stop(self, state_bytes: int | None = None) -> LoopStep | None:
+        """End metering (the fit ends, or the next step is not watched); the step it ended, if any."""
+        ended = self._end_step(state_bytes) if state_bytes is not None else None
+        if self._stack is not None:
+            self._stack.close()
+        self._stack = self._reading = self._step = None
+        return ended
+
+    def _mark(self) -> int:
+        """Mark now; the level there."""
+        assert self._reading is not None
+        self._reading.mark()
+        self._marks += 1
+        return self._reading.marks_so_far()[-1].level_bytes
+
+    def _end_step(self, state_bytes: int | None) -> LoopStep | None:
+        step, self._step = self._step, None
+        if step is None or self._reading is None or state_bytes is None:
+            return None
+        self._mark()
+        marks = self._reading.marks
+        end = marks[-1]
+        grown = max(0, state_bytes - step.state_bytes)  # the first optimizer step makes the state
+        if step.optimizer_mark is None:
+            peak = end.peak_before_bytes
+        else:
+            peak = max(marks[step.optimizer_mark].peak_before_bytes, end.peak_before_bytes - grown)
+        done = LoopStep(step.index, step.case, peak - step.base_level)
+        self.steps.append(done)
+        return done

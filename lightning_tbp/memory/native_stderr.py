@@ -109,8 +109,9 @@ class ProfilerChatterFilter:
         os.dup2(write_fd, 2)
         os.close(write_fd)
         self._saved = saved
+        # the thread writes through a descriptor of its own, which it closes when the pipe ends
         self._thread = threading.Thread(
-            target=_forward, args=(read_fd, saved), name="lightning_tbp-stderr-filter", daemon=True
+            target=_forward, args=(read_fd, os.dup(saved)), name="lightning_tbp-stderr-filter", daemon=True
         )
         self._thread.start()
 
@@ -119,8 +120,9 @@ class ProfilerChatterFilter:
             return
         _flush_python_stderr()
         os.dup2(self._saved, 2)  # the pipe's last writer is gone: the thread drains it and ends
+        os.close(self._saved)
         # A process forked meanwhile holds the pipe too; the thread then forwards its stderr until
-        # it exits (and closes its copy of the real stderr itself).
+        # that process exits.
         self._thread.join(timeout=_DRAIN_SECONDS)
         self._thread = self._saved = None
 

@@ -70,7 +70,8 @@ def fill_random(flat: torch.Tensor) -> torch.Tensor:
 
     Any finite values time alike, but drawing them costs: ``uniform_`` over every stand-in and
     output gradient took 0.19 s of a reference U-Net's 1.2 s trace, copying a tile a fraction of
-    that. The tile (256 KiB in fp32) is kept per dtype and device."""
+    that. The tile (256 KiB in fp32) is kept per dtype and device until :func:`release_random_tiles`
+    (the end of planning: kept for the run, it was device memory no plan counted)."""
     key = (flat.dtype, flat.device)
     tile = _tiles.get(key)
     if tile is None:
@@ -80,6 +81,11 @@ def fill_random(flat: torch.Tensor) -> torch.Tensor:
         flat[: whole * _TILE].view(whole, _TILE).copy_(tile.expand(whole, _TILE))
         flat[whole * _TILE :].copy_(tile[:rest])
     return flat
+
+
+def release_random_tiles() -> None:
+    """Drop the tiles ``fill_random`` keeps."""
+    _tiles.clear()
 
 
 class OpCalibrator:

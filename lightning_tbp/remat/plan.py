@@ -33,6 +33,7 @@ from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
+from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
@@ -147,7 +148,10 @@ class Plan:
                 (args, kwargs) if self.batch_ceiling is None else expand_batch(args, kwargs, self.batch_ceiling)
             )
             signature = input_signature(plan_args, plan_kwargs)
-            shape_plan = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
+            try:
+                shape_plan = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
+            finally:
+                release_random_tiles()  # the stand-ins' values, no longer needed
             self.shape_plans[key] = shape_plan
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
         elif self.batch_ceiling is not None:

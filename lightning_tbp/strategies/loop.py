@@ -6,7 +6,7 @@ A plan is made for one forward and backward of the module. Lightning's loop adds
   ``zero_grad``, so the forward runs with the previous step's gradients alive (a whole fit of
   the main job peaked 1.07x its budget on every step but the first). Where Lightning zeroes
   them before this batch's backward anyway and nothing can read them in between (the stock
-  ``optimizer_zero_grad``, no ``on_before_zero_grad`` override, the first micro-batch of an
+  ``optimizer_zero_grad``, no ``on_before_zero_grad`` hook, the first micro-batch of an
   accumulation window), the strategy frees them before the forward instead
   (:func:`release_gradients_early`): the same training, less memory. Where it cannot, or where
   they must stay (the later micro-batches of gradient accumulation, manual optimisation that
@@ -36,26 +36,32 @@ from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
-def zero_grad_is_lightnings(module: pl.LightningModule) -> bool:
-    """Whether this batch's gradients are zeroed by Lightning's own ``optimizer.zero_grad()`` and
-    no hook reads them between ``training_step`` and that call."""
+def lightning_zeroes_before_backward(module: pl.LightningModule, batch_idx: object) -> bool:
+    """Whether Lightning's own ``optimizer.zero_grad()`` runs between this batch's
+    ``training_step`` and its backward (automatic optimisation, the stock ``optimizer_zero_grad``,
+    the first micro-batch of an accumulation window, a batch whose backward runs)."""
     trainer = module.trainer
     if not module.automatic_optimization or is_overridden("optimizer_zero_grad", module, pl.LightningModule):
         return False
-    if is_overridden("on_before_zero_grad", module, pl.LightningModule):
+    if not isinstance(batch_idx, int) or lightning_skips_backward(trainer):
         return False
-    return not any(is_overridden("on_before_zero_grad", callback, Callback) for callback in trainer.callbacks)
+    return batch_idx % trainer.accumulate_grad_batches == 0
+
+
+def gradients_observed_before_zero_grad(module: pl.LightningModule) -> bool:
+    """Whether a hook of the module or a callback runs between ``training_step`` and
+    ``zero_grad`` (``on_before_zero_grad``), where it may read the last step's gradients."""
+    if is_overridden("on_before_zero_grad", module, pl.LightningModule):
+        return True
+    return any(is_overridden("on_before_zero_grad", callback, Callback) for callback in module.trainer.callbacks)
 
 
 def release_gradients_early(module: pl.LightningModule, batch_idx: object) -> bool:
     """Free the last step's gradients now, before the forward, when Lightning would free them
     after it (before the backward) and nothing can tell the difference; returns whether it did."""
-    trainer = module.trainer
-    if not isinstance(batch_idx, int) or not zero_grad_is_lightnings(module) or lightning_skips_backward(trainer):
+    if not lightning_zeroes_before_backward(module, batch_idx) or gradients_observed_before_zero_grad(module):
         return False
-    if batch_idx % trainer.accumulate_grad_batches != 0:
-        return False
-    for optimizer in trainer.optimizers:
+    for optimizer in module.trainer.optimizers:
         optimizer.zero_grad()  # what the stock ``LightningModule.optimizer_zero_grad`` calls
     return True
 
@@ -66,7 +72,9 @@ def loop_model(module: pl.LightningModule, device: torch.device) -> LoopModel:
     trainer = module.trainer
     cases = {PriorGradients.RELEASED}
     if module.automatic_optimization:
-        if not zero_grad_is_lightnings(module):
+        if is_overridden("optimizer_zero_grad", module, pl.LightningModule):
+            cases.add(PriorGradients.ACCUMULATED)  # the user's zero_grad: nothing known of it
+        elif gradients_observed_before_zero_grad(module):
             cases.add(PriorGradients.UNTIL_BACKWARD)
         if trainer.accumulate_grad_batches > 1:
             cases.add(PriorGradients.ACCUMULATED)
@@ -82,8 +90,7 @@ def case_of_step(module: pl.LightningModule, alive_gradient_bytes: int, batch_id
     """Which case of the loop this step is, from the gradients alive as its forward starts."""
     if not alive_gradient_bytes:
         return PriorGradients.RELEASED
-    window_start = isinstance(batch_idx, int) and batch_idx % module.trainer.accumulate_grad_batches == 0
-    if module.automatic_optimization and window_start and zero_grad_is_lightnings(module):
+    if lightning_zeroes_before_backward(module, batch_idx):
         return PriorGradients.UNTIL_BACKWARD
     return PriorGradients.ACCUMULATED
 
@@ -105,7 +112,7 @@ class LoopStep:
 class _Open:
     index: int
     case: PriorGradients
-    base_level: int  # the meter's level less what the step holds at its start (gradients, batch)
+    base_level: int  # the meter's level of what training holds outside the step, as the step starts
     state_bytes: int  # the optimizer state held at its start
     optimizer_mark: int | None = None  # the mark at its optimizer step, when one ran
 
@@ -116,7 +123,11 @@ class LoopWatch:
     One exact region runs from the batch before a metered step (so every block the step frees
     was allocated under the meter: the last step's gradients, its outputs) to the start of the
     batch after it; marks split it at each batch start and at the optimizer step, which is where
-    the first step's optimizer state appears (held outside the step, so not counted)."""
+    the first step's optimizer state appears (held outside the step, so not counted). What
+    training holds outside the step is read once, where the region opens (its level less the
+    gradients and batch alive then, less the optimizer state); a step is measured above that
+    plus the optimizer state at its start, so anything a step leaves behind (a cache the first
+    step's planning kept) counts in the steps after it."""
 
     def __init__(self, device: torch.device, first: int = 3, every: int = 50) -> None:
         self.device, self.first, self.every = device, first, every
@@ -124,6 +135,7 @@ class LoopWatch:
         self._reading: AllocatorPeak | None = None
         self._step: _Open | None = None
         self._marks = 0
+        self._held_level = 0
         self.steps: list[LoopStep] = []
 
     def watched(self, index: int) -> bool:
@@ -133,15 +145,18 @@ class LoopWatch:
         """A batch starts with ``alive_bytes`` held for the step (gradients, the batch) and
         ``state_bytes`` of optimizer state; returns the metered step that just ended, if any."""
         ended = self._end_step(state_bytes)
-        if self._reading is None and can_meter and (self.watched(index) or self.watched(index + 1)):
+        opening = self._reading is None and can_meter and (self.watched(index) or self.watched(index + 1))
+        if opening:
             self._stack = contextlib.ExitStack()
             self._reading = self._stack.enter_context(allocator_peak(self.device))
             self._marks = 0
         if self._reading is None:
             return ended
         level = self._mark()
+        if opening:  # what training holds besides the optimizer state, for every step of this region
+            self._held_level = level - alive_bytes - state_bytes
         if self.watched(index):
-            self._step = _Open(index, PriorGradients.RELEASED, level - alive_bytes, state_bytes)
+            self._step = _Open(index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes)
         elif not self.watched(index + 1):
             self.stop()
         return ended

@@ -1,0 +1,276 @@
+"""The budget is a promise about every step of the loop the user runs, measured over whole fits.
+
+Each test runs ``Trainer.fit`` for several steps (the first included: profiling, calibration,
+metering) inside one exact allocator region, from the start of training to its end, and takes
+the region's peak above what training held when it started (parameters, EMA copies, the data
+module's tensors) less the optimizer state its first step made: the step as the loop really
+runs it (the last step's gradients, accumulation, the optimizer step, validation in between).
+That peak must be within the plan's budget and within 5% of its prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import TinyBackpropStrategy
+from lightning_tbp.compat import tree_flatten, tree_unflatten
+from lightning_tbp.diffusion import DiffusionModule
+from lightning_tbp.diffusion.data import DigitsDataModule
+from lightning_tbp.memory.breakdown import tensor_bytes
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
+from lightning_tbp.remat.step import PriorGradients
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from zoo_models import ZOO
+from zoo_models import sample as zoo_sample
+
+MAIN_JOB_UNET = {
+    "sample_size": 16,
+    "in_channels": 1,
+    "out_channels": 1,
+    "block_out_channels": [32, 64, 64],
+    "layers_per_block": 2,
+    "norm_num_groups": 8,
+    "down_block_types": ["DownBlock2D", "AttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "AttnUpBlock2D", "UpBlock2D"],
+    "attention_head_dim": 8,
+}
+
+
+class WholeFit(Callback):
+    """An exact allocator region from the start of training to its end."""
+
+    def __init__(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self.reading: AllocatorPeak | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.reading = self._stack.enter_context(allocator_peak(trainer.strategy.root_device))
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stack.close()
+
+
+class ZooModule(L.LightningModule):
+    """A zoo architecture trained on its seeded inputs: the loader hands out rows of its batched
+    inputs (those with the batch as their first dimension), the rest stay as they are."""
+
+    def __init__(self, name: str, batch: int) -> None:
+        super().__init__()
+        case = ZOO[name].case(batch=batch)
+        self.model = case.model.train()
+        leaves, self._spec = tree_flatten((case.args, case.kwargs))
+        self._batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
+        self._leaves = leaves
+        self.rows = [x for x, b in zip(leaves, self._batched, strict=True) if b] + [case.target]
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        columns = iter(batch[:-1])
+        leaves = [next(columns) if b else x for x, b in zip(self._leaves, self._batched, strict=True)]
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        error = (zoo_sample(self.model(*args, **kwargs)).float() - batch[-1]).square()
+        per_sample = error.flatten(1).mean(dim=1)
+        return per_sample if getattr(self.trainer.strategy, "privacy", None) is not None else per_sample.mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+
+def _fit(module: L.LightningModule, data: object, strategy: TinyBackpropStrategy, **trainer_kwargs) -> dict:
+    torch.manual_seed(0)
+    watch = WholeFit()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[watch, *trainer_kwargs.pop("callbacks", [])],
+        **trainer_kwargs,
+    )
+    trainer.fit(module, data)
+    assert watch.reading is not None
+    held = tensor_bytes(module, trainer.optimizers, strategy.root_device)
+    shape_plan = strategy.plan.current or list(strategy.plan.shape_plans.values())[-1]
+    return {
+        "step_peak": watch.reading.peak_bytes - held.optimizer_state,
+        "plan": shape_plan,
+        "loop_steps": strategy.loop_steps(),
+        "strategy": strategy,
+    }
+
+
+def _assert_the_promise_holds(run: dict) -> None:
+    plan, step_peak = run["plan"], run["step_peak"]
+    assert step_peak <= plan.budget_bytes, (step_peak, plan.budget_bytes)
+    assert abs(step_peak / plan.predicted_peak_bytes - 1) <= 0.05, (step_peak, plan.predicted_peak_bytes)
+    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]  # the first steps were metered too
+    for step in run["loop_steps"]:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert abs(step["peak_bytes"] / step["predicted_bytes"] - 1) <= 0.05, step
+
+
+def _main_job_module() -> DiffusionModule:
+    return DiffusionModule(
+        family="unet2d", model_config=MAIN_JOB_UNET, lr=1e-3, ema_decay=0.99, sample_images=0, export=False
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_the_main_jobs_whole_fit_stays_within_its_budget_and_prediction(accumulate: int) -> None:
+    """The main job's module, EMA and validation included: every step, not only the metered one."""
+    data = DigitsDataModule(image_size=16, batch_size=16)
+    strategy = TinyBackpropStrategy(memory_budget=0.5)
+    run = _fit(
+        _main_job_module(),
+        data,
+        strategy,
+        max_steps=5,
+        accumulate_grad_batches=accumulate,
+        limit_val_batches=1,
+        val_check_interval=4 * accumulate,
+    )
+    _assert_the_promise_holds(run)
+    cases = run["plan"].loop.gradients
+    expected = {PriorGradients.RELEASED} | ({PriorGradients.ACCUMULATED} if accumulate > 1 else set())
+    assert cases == expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["dit", "sd3", "sdxl_unet"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_zoo_whole_fits_stay_within_budget_and_prediction(name: str, accumulate: int) -> None:
+    """At batch 4 these tiny models hold more in gradients and the optimizer's step than in
+    activations, which no plan lowers: 0.9 of their naive peak is what a plan reaches on all."""
+    module = ZooModule(name, batch=4)
+    loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=4)
+    strategy = TinyBackpropStrategy(memory_budget=0.9)
+    run = _fit(module, loader, strategy, max_steps=4, accumulate_grad_batches=accumulate)
+    _assert_the_promise_holds(run)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_dp_whole_fit_with_accumulation_stays_within_budget_and_prediction(mode: str) -> None:
+    data = DigitsDataModule(image_size=16, batch_size=8)
+    strategy = TinyBackpropStrategy(memory_budget=0.6, dp=mode, noise_multiplier=1.0, max_grad_norm=1.0)
+    run = _fit(_main_job_module(), data, strategy, max_steps=3, accumulate_grad_batches=2, limit_val_batches=0)
+    plan, step_peak = run["plan"], run["step_peak"]
+    # Poisson batches are at most the plan's ceiling: the budget holds, the prediction is an upper bound
+    assert step_peak <= plan.budget_bytes
+    assert step_peak <= 1.05 * plan.predicted_peak_bytes
+    assert run["loop_steps"] and all(s["peak_bytes"] <= s["budget_bytes"] for s in run["loop_steps"])
+
+
+class KeepsGradients(L.Callback):
+    """Reads the gradients in ``on_before_zero_grad``: they must be there, so the strategy cannot
+    free them early, and the plan counts them through the forward instead."""
+
+    def __init__(self) -> None:
+        self.seen: list[bool] = []
+
+    def on_before_zero_grad(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
+        self.seen.append(all(p.grad is not None for p in pl_module.model.parameters() if p.requires_grad))
+
+
+@pytest.mark.slow
+def test_gradients_someone_reads_before_zero_grad_are_kept_and_counted() -> None:
+    keeps = KeepsGradients()
+    data = DigitsDataModule(image_size=16, batch_size=16)
+    strategy = TinyBackpropStrategy(memory_budget=0.5)
+    run = _fit(_main_job_module(), data, strategy, max_steps=4, limit_val_batches=0, callbacks=[keeps])
+    assert keeps.seen[1:] == [True] * (len(keeps.seen) - 1)  # the first step has none yet
+    assert PriorGradients.UNTIL_BACKWARD in run["plan"].loop.gradients
+    _assert_the_promise_holds(run)
+
+
+class ManualLoop(L.LightningModule):
+    """Manual optimisation that zeroes the gradients only after the step (they live through the next forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.model = ZOO["dit"].build()
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        x, t, y, target = batch
+        loss = (zoo_sample(self.model(x, timestep=t, class_labels=y)).float() - target).square().mean()
+        optimizer = self.optimizers()
+        self.manual_backward(loss)
+        optimizer.step()
+        if batch_idx % 2:  # two batches per update: the gradients of the first live through the second
+            optimizer.zero_grad()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+
+
+@pytest.mark.slow
+def test_manual_optimisation_that_keeps_gradients_is_planned_for_them_before_its_forward() -> None:
+    module = ManualLoop()
+    case = ZOO["dit"].case(batch=2)
+    rows = [case.args[0], case.kwargs["timestep"], case.kwargs["class_labels"], case.target]
+    loader = DataLoader(TensorDataset(*(r.repeat_interleave(4, 0) for r in rows)), batch_size=2)
+    run = _fit(module, loader, TinyBackpropStrategy(memory_budget=0.9), max_steps=4)
+    assert PriorGradients.ACCUMULATED in run["plan"].loop.gradients
+    _assert_the_promise_holds(run)
+
+
+def test_freeing_early_leaves_training_exactly_as_lightning_runs_it() -> None:
+    """Freeing the last step's gradients before the forward instead of before the backward changes
+    no weight: the same fit under Lightning's default strategy and under the plan's strategy with
+    nothing to plan (a budget of 1.0 on a model whose peak nothing lowers)."""
+
+    def weights(strategy: object) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        module = ZooModule("dit", batch=2)
+        loader = DataLoader(TensorDataset(*(row.repeat_interleave(3, 0) for row in module.rows)), batch_size=2)
+        trainer = L.Trainer(
+            strategy=strategy,
+            accelerator="cpu",
+            max_steps=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, loader)
+        return [p.detach().clone() for p in module.parameters()]
+
+    plain = weights("auto")
+    freed = weights(TinyBackpropStrategy(memory_budget=None))
+    assert all(torch.equal(a, b) for a, b in zip(plain, freed, strict=True))
+
+
+def test_a_loop_step_is_measured_from_its_batch_to_the_next() -> None:
+    """``LoopWatch`` on a hand-made loop: a step's peak above what training holds, the gradients
+    alive at its start counted and the optimizer state its first step makes left out. The region
+    opens a batch early, so the last step's gradients are seen when the step frees them."""
+    from lightning_tbp.strategies.loop import LoopWatch
+
+    watch = LoopWatch(torch.device("cpu"), first=2, every=0)
+    mib = 1 << 20
+    assert watch.batch_started(0, alive_bytes=0, state_bytes=0, can_meter=True) is None
+    grads = torch.empty(mib, dtype=torch.uint8)  # step 0's gradients, alive when step 1 starts
+    assert watch.batch_started(1, alive_bytes=mib, state_bytes=0, can_meter=True) is not None
+    del grads  # freed before the forward
+    activations = torch.empty(3 * mib, dtype=torch.uint8)
+    del activations
+    grads = torch.empty(mib, dtype=torch.uint8)
+    watch.optimizer_stepping()
+    state = torch.empty(2 * mib, dtype=torch.uint8)  # made by the first optimizer step
+    step = watch.batch_started(2, alive_bytes=mib, state_bytes=2 * mib, can_meter=True)
+    assert step is not None and (step.index, step.peak_bytes) == (1, 3 * mib)  # its 3 made after 1 freed
+    assert watch.stop(state_bytes=2 * mib) is None  # step 2 is not watched: the region closed at its start
+    del grads, state

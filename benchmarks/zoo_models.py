@@ -366,6 +366,25 @@ def _video_unet(channels: tuple[int, int] = (32, 64)) -> nn.Module:
     )
 
 
+def _animatediff() -> nn.Module:
+    from diffusers import UNetMotionModel
+
+    return UNetMotionModel(
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlockMotion", "DownBlockMotion"),
+        up_block_types=("UpBlockMotion", "CrossAttnUpBlockMotion"),
+        cross_attention_dim=16,
+        num_attention_heads=2,
+        motion_num_attention_heads=2,
+        motion_max_seq_length=8,
+        norm_num_groups=8,
+    )
+
+
 def _video_inputs(frames: int, size: int) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
     def inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
         video = _randn(generator, batch, 4, frames, size, size)
@@ -374,12 +393,24 @@ def _video_inputs(frames: int, size: int) -> Callable[[torch.Generator, int], tu
     return inputs
 
 
+def _motion_inputs(frames: int, size: int) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
+    """AnimateDiff's call: the text repeated for every frame, as its pipeline repeats it."""
+
+    def inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+        video = _randn(generator, batch, 4, frames, size, size)
+        text = _randn(generator, batch, 5, 16).repeat_interleave(frames, dim=0)
+        return (video, _timesteps(generator, batch)), {"encoder_hidden_states": text}
+
+    return inputs
+
+
 #: Benchmarked on request (``zoo.py --arch``, ``dp_zoo.py --arch``) but not part of the zoo the
 #: tests sweep: the reference U-Net of ``remat_pareto.py`` (64x64), for timings at diffusers' peak
 #: in interleaved rounds; a video U-Net whose layers run on frames and positions folded into the
-#: batch (the DP engine's folded rows, ``docs/privacy.md``; the DP tests build it too), and a
+#: batch (the DP engine's folded rows, ``docs/privacy.md``; the DP tests build it too), a
 #: wider one (channels 128/256, 8 frames of 8x8, ~20M parameters) whose convolutions' per-sample
-#: gradients are large next to its activations, as in real video models.
+#: gradients are large next to its activations, as in real video models, and AnimateDiff's
+#: UNetMotionModel, which calls some layers by keyword (``layer(input=x)``).
 BENCH_ONLY = {
     "reference_unet": Architecture(
         "reference_unet", "reference UNet2DModel, 64x64", _reference_unet, _image_inputs(3, 64)
@@ -390,6 +421,9 @@ BENCH_ONLY = {
         "UNet3DCondition 128/256, 8 frames of 8x8",
         functools.partial(_video_unet, (128, 256)),
         _video_inputs(8, 8),
+    ),
+    "animatediff": Architecture(
+        "animatediff", "UNetMotion (AnimateDiff: a U-Net with motion modules)", _animatediff, _motion_inputs(3, 16)
     ),
 }
 

@@ -59,7 +59,11 @@ def _estimate(argv: Sequence[str]) -> int:
         description="estimate one training step's device memory; other arguments go to the LightningCLI config",
     )
     parser.add_argument("--device-memory", help="device size to fit: bytes or a size such as 24GiB or 80GB")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="device modelled (default: cuda)")
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        help="device modelled (default: the config's trainer.accelerator: cpu for cpu, else cuda)",
+    )
     parser.add_argument("--json", type=Path, help="also write the estimate as JSON here")
     parser.add_argument(
         "--no-minimum", action="store_true", help="skip the smallest device with a plan (a solver run; faster)"

@@ -582,6 +582,53 @@ def test_a_video_unet_folding_frames_and_positions_into_the_batch_is_exact(mode:
         assert 0 < int((engine.clip_coefficients < 1).sum()) < 3  # some clipped, some not
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_animatediff_calling_layers_by_keyword_is_exact(mode: str) -> None:
+    """AnimateDiff's UNetMotionModel calls layers as ``layer(input=x)``, which the engine's tapped
+    forward took positionally only (a TypeError in every mode); now exact."""
+    torch.manual_seed(0)
+    model = BENCH_ONLY["animatediff"].build().eval()
+    generator = torch.Generator().manual_seed(0)
+    batch = {
+        "x": torch.randn(3, 4, 2, 8, 8, generator=generator),
+        "t": torch.tensor([3, 500, 999]),
+        "text": torch.randn(3, 5, 16, generator=generator),
+        "y": torch.randn(3, 4, 2, 8, 8, generator=generator),
+    }
+    expected, norms, threshold = clipped_at_median(per_sample_grads(model, _animatediff_loss, batch))
+    with _exact_step(model, mode, _animatediff_loss, batch, expected, norms, threshold) as engine:
+        assert 0 < int((engine.clip_coefficients < 1).sum()) < 3
+
+
+def _animatediff_loss(call: Callable, batch: dict) -> torch.Tensor:
+    """Its pipeline repeats the text for every frame (the call folds frames into the batch)."""
+    text = batch["text"].repeat_interleave(batch["x"].shape[2], dim=0)
+    out = call(batch["x"], batch["t"], encoder_hidden_states=text).sample
+    return (out - batch["y"]).square().flatten(1).mean(dim=1)
+
+
+class _KeywordLayers(nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.extra = extra
+        self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(input=self.lin(input=x))
+        return self.lin(h, None) if self.extra else h  # nn.Linear takes one tensor: the second is refused
+
+
+def test_a_handled_layer_called_with_more_than_its_input_is_refused_by_name() -> None:
+    model = _KeywordLayers(extra=True)
+    engine = attach(model, "ghost", max_grad_norm=1.0, noise_multiplier=0.0)
+    try:
+        with pytest.raises((CoverageError, TypeError), match="lin"):
+            model(torch.randn(2, 8))
+    finally:
+        engine.detach()
+    assert all(p.grad is None for p in model.parameters())
+
+
 class _Positions(nn.Module):
     """A Linear, a LayerNorm and an Embedding over each sample's positions, called on [B, T, ...]
     or, with ``folded``, on the positions folded into the batch ([B·T, ...], as video models fold

@@ -18,6 +18,8 @@ from lightning_tbp.estimate.device import DeviceModel
 from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
+from lightning_tbp.remat.step import PriorGradients
+from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
 class EstimateConfigError(ValueError):
@@ -37,14 +39,35 @@ def layout_of(trainer: pl.Trainer) -> Layout:
     return Layout()
 
 
+def loop_cases(trainer: pl.Trainer) -> frozenset[PriorGradients]:
+    """The gradients alive at a step's forward in the Trainer's loop: the tiny_backprop strategies
+    free the last step's before the forward, Lightning's own loop zeroes them only before the
+    backward; accumulation keeps them through its later micro-batches."""
+    cases = {PriorGradients.RELEASED}
+    if not isinstance(trainer.strategy, TinyBackpropMixin):
+        cases.add(PriorGradients.UNTIL_BACKWARD)
+    if trainer.accumulate_grad_batches > 1:
+        cases.add(PriorGradients.ACCUMULATED)
+    return frozenset(cases)
+
+
+def device_of(accelerator: object) -> str:
+    """The device an estimate models for a config's ``trainer.accelerator``: ``cpu`` for the CPU,
+    else CUDA (``auto`` too: a config run where a GPU is trains on it)."""
+    return "cpu" if str(accelerator).lower() == "cpu" else "cuda"
+
+
 def estimate_config(
     args: Sequence[str],
     *,
-    device: str | DeviceModel = "cuda",
+    device: str | DeviceModel | None = None,
     device_memory: int | None = None,
     minimum: bool = True,
 ) -> StepEstimate:
-    """Estimate the training step of the config in ``args`` (LightningCLI arguments, ``-c`` included)."""
+    """Estimate the training step of the config in ``args`` (LightningCLI arguments, ``-c`` included).
+
+    ``device``: the device modelled; by default the config's ``trainer.accelerator`` says
+    (:func:`device_of`)."""
     from lightning_tbp.cli import run_lightning_cli  # the CLI module imports this one
 
     def build() -> TrainingStep:
@@ -65,6 +88,8 @@ def estimate_config(
             privacy=None if privacy is None else privacy.config,
         )
         step.layout = layout_of(trainer)
+        step.gradients_at_forward = loop_cases(trainer)
+        step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         return step
 
     return estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)

@@ -10,6 +10,11 @@ so what differs on the target device is modelled here, and nothing else:
   ``:4096:8`` (32 MiB) on Hopper-class GPUs, which is what this constant assumes; on older GPUs
   it is smaller, so the estimate errs high by up to ~24 MiB there. cuDNN's convolution
   workspaces are transient and algorithm-dependent: not modelled (see docs/estimate.md).
+* **Kernel workspaces.** What a kernel allocates beyond its outputs depends on the kernel the
+  machine picks: on a CPU without native bf16 a bf16 convolution takes im2col's slow path,
+  whose column buffers made a bf16 step 7% larger than its fake-tensor estimate. For the CPU
+  they are measured on this machine (the planner's op calibration, on real stand-ins of each
+  heavy op small enough to run here); CUDA's are not modelled (cuDNN picks per algorithm).
 * **Attention.** On CPU, ``scaled_dot_product_attention`` runs a flash kernel that saves the
   output and its log-sum-exp, not the attention matrix, as CUDA's flash and memory-efficient
   kernels do: the traced saves carry over.
@@ -38,6 +43,7 @@ class DeviceModel:
     allocation_rounding: int = 1
     library_workspace_bytes: int = 0
     foreach_optimizers: bool = False  # torch's optimizers default to their multi-tensor path here
+    measures_workspaces: bool = False  # the kernels run on this machine: their workspaces are measured
 
     def fill_costs(self, trace: Trace) -> None:
         """Give every traced op a forward and backward time (ns) from the roofline."""
@@ -62,7 +68,7 @@ CUDA = DeviceModel(
     "cuda", 400e12, 2.5e12, allocation_rounding=512, library_workspace_bytes=32 * 1024**2, foreach_optimizers=True
 )
 #: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use.
-CPU = DeviceModel("cpu", 100e9, 10e9)
+CPU = DeviceModel("cpu", 100e9, 10e9, measures_workspaces=True)
 
 DEVICES = {"cuda": CUDA, "cpu": CPU}
 

@@ -83,6 +83,10 @@ def lightning_step(
     planned = module.get_submodule(target) if target else default_target(module)[0]
     # any noise multiplier but 0 draws the noise (its transient counts); its value changes no byte
     engine = attach(module, privacy.mode, privacy.max_grad_norm, 1.0) if privacy is not None else None
+    zero_grad_first = [False]
+
+    def zero_grad_before_backward(on: bool) -> None:
+        zero_grad_first[0] = on
 
     def forward_backward() -> torch.Tensor:
         per_sample = per_sample_losses() if engine is not None else contextlib.nullcontext()
@@ -90,6 +94,8 @@ def lightning_step(
             warnings.filterwarnings("ignore", message=".*self.log.*")  # there is no Trainer to log to
             output = module.training_step(batch, 0)
         loss = output["loss"] if isinstance(output, Mapping) else output
+        if zero_grad_first[0]:  # Lightning's closure: training_step, zero_grad, backward
+            module.optimizer_zero_grad(0, 0, optimizer)
         if engine is None:
             loss.backward()
         else:
@@ -102,4 +108,12 @@ def lightning_step(
     modules = dict(module.named_children())
     if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
         modules[type(module).__name__] = module  # its own tensors (children's are counted once already)
-    return TrainingStep(modules, planned, batch, forward_backward, optimizer_step, [optimizer])
+    return TrainingStep(
+        modules,
+        planned,
+        batch,
+        forward_backward,
+        optimizer_step,
+        [optimizer],
+        zero_grad_before_backward=zero_grad_before_backward,
+    )

@@ -37,6 +37,19 @@ class LiveBytes(TorchDispatchMode):
         self._views: dict[int, int] = {}  # storage key -> live tensors viewing it
         self._sizes: dict[int, int] = {}
 
+    def count(self, tensors: object) -> None:
+        """Count these existing tensors' storages as live from now (the last step's gradients,
+        alive as a step starts): their bytes join ``current`` and leave it when they are freed."""
+        for tensor in _tensors(tensors):
+            key = storage_key(tensor)
+            if key is None or key in self._views:
+                continue
+            self._sizes[key] = rounded(tensor.untyped_storage().nbytes(), self.rounding)
+            self._views[key] = 1
+            self.current += self._sizes[key]
+            self.peak = max(self.peak, self.current)
+            weakref.finalize(tensor, self._dropped, key)
+
     def reset_peak(self) -> None:
         """Start a new peak from what is live now (the next phase of the step)."""
         self.peak = self.current

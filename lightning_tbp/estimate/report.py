@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_tbp.estimate.step import StepEstimate
 from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
 def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
@@ -28,14 +29,17 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
             "activation_bytes": estimate.activation_bytes,
             "batch_bytes": estimate.batch_bytes,
             "library_workspace_bytes": estimate.library_workspace_bytes,
+            "kernel_workspace_bytes": estimate.kernel_workspace_bytes,
             "communication_bytes": estimate.communication_bytes,
             "forward_backward_peak_bytes": estimate.forward_backward_peak_bytes,
             "optimizer_step_peak_bytes": estimate.optimizer_step_peak_bytes,
             "target_naive_peak_bytes": estimate.target_naive_peak_bytes,
         },
+        "unmeasured_workspace_ops": estimate.unmeasured_workspace_ops,
         "trainable_parameters": estimate.trainable_parameters,
         "target": estimate.target,
         "step_model": estimate.step_model,
+        "gradients_at_forward": sorted(case.value for case in estimate.gradients_at_forward),
         "device": estimate.device,
         "layout": estimate.layout,
         "world_size": estimate.world_size,
@@ -50,6 +54,7 @@ def format_estimate(estimate: StepEstimate) -> str:
         (f"gradients ({estimate.trainable_parameters:,} trainable parameters)", estimate.gradient_bytes),
         ("optimizer state", estimate.optimizer_state_bytes),
         ("activations at the step's peak", estimate.activation_bytes),
+        ("kernel workspaces at the peak (measured on this CPU)", estimate.kernel_workspace_bytes),
         ("batch", estimate.batch_bytes),
         ("library workspace", estimate.library_workspace_bytes),
         ("communication (DDP buckets / FSDP2 gathered units)", estimate.communication_bytes),
@@ -57,6 +62,8 @@ def format_estimate(estimate: StepEstimate) -> str:
     width = max(len(label) for label, _ in rows)
     step = "" if estimate.step_model == "plain" else f", {estimate.step_model} (the DP engine's backward)"
     lines = [f"tbp estimate: one training step on {estimate.device}{per}{step}"]
+    if estimate.gradients_at_forward != {PriorGradients.RELEASED}:
+        lines.append(f"  the loop modelled: {LoopModel(estimate.gradients_at_forward).describe()}")
     lines += [f"  {label:<{width}}  {format_bytes(size):>12}" for label, size in rows if size]
     lines.append(f"  {'naive peak (device total)':<{width}}  {format_bytes(estimate.naive_peak_bytes):>12}")
     if estimate.minimum_device_bytes is not None:
@@ -78,5 +85,10 @@ def format_estimate(estimate: StepEstimate) -> str:
             )
         else:
             lines.append(f"does not fit in {size}: {fit.reason}")
+    if estimate.unmeasured_workspace_ops:
+        lines.append(
+            f"  ({estimate.unmeasured_workspace_ops} ops too large to run on this machine: their kernels' temporaries "
+            "are not counted)"
+        )
     lines.append(f"(estimated in {estimate.estimate_seconds:.1f} s; what the figures model: docs/estimate.md)")
     return "\n".join(lines)

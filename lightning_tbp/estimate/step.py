@@ -22,6 +22,7 @@ The byte figures are those of the eager step in fake tensors; what fake tensors 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import time
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
@@ -37,9 +39,9 @@ from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import state_tensors
-from lightning_tbp.remat.simulate import Simulator
+from lightning_tbp.remat.simulate import Option, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
-from lightning_tbp.remat.step import step_model_for
+from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace
 
 
@@ -87,6 +89,15 @@ class TrainingStep:
     zero_grad: Callable[[], None] | None = None
     layout: Layout = field(default_factory=Layout)
     """One rank's figures under DDP or FSDP2 (``layout.py``); one device by default."""
+    gradients_at_forward: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
+    """The training loop's cases (``remat.step.PriorGradients``): which gradients are alive as a
+    step's forward starts. The estimate is the highest of them."""
+    zero_grad_before_backward: Callable[[bool], None] | None = None
+    """Switches Lightning's ``zero_grad`` between the loss and the backward on or off in
+    ``forward_backward`` (the ``UNTIL_BACKWARD`` case); without it that case is estimated as
+    ``ACCUMULATED``, whose gradients stay (an upper bound)."""
+    device: str = "cuda"
+    """The device modelled when ``estimate_step`` is not told one (a config's accelerator)."""
 
 
 @dataclass
@@ -115,6 +126,8 @@ class StepEstimate:
     optimizer_state_bytes: int
     batch_bytes: int
     library_workspace_bytes: int
+    kernel_workspace_bytes: int  # the kernels' own temporaries at the step's peak (measured on this CPU)
+    unmeasured_workspace_ops: int  # heavy ops too large to measure here: their temporaries are not in
     forward_backward_peak_bytes: int  # above what is held: activations, gradients, the loss
     optimizer_step_peak_bytes: int  # above what is held, gradients included
     target: str
@@ -123,6 +136,7 @@ class StepEstimate:
     minimum_plan_recompute_time_ratio: float | None
     estimate_seconds: float
     step_model: str = "plain"
+    gradients_at_forward: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     layout: str = "single"
     world_size: int = 1
     communication_bytes: int = 0  # DDP's gradient buckets (held); FSDP2's gathered units (in the step)
@@ -142,7 +156,7 @@ class StepEstimate:
 
     @property
     def activation_bytes(self) -> int:
-        return max(0, self.forward_backward_peak_bytes - self.gradient_bytes)
+        return max(0, self.forward_backward_peak_bytes - self.gradient_bytes - self.kernel_workspace_bytes)
 
     @property
     def naive_peak_bytes(self) -> int:
@@ -157,7 +171,7 @@ class StepEstimate:
 def estimate_step(
     build: Callable[[], TrainingStep],
     *,
-    device: str | DeviceModel = "cuda",
+    device: str | DeviceModel | None = None,
     device_memory: int | None = None,
     minimum: bool = True,
 ) -> StepEstimate:
@@ -166,22 +180,32 @@ def estimate_step(
     ``device_memory``: bytes of the device to fit; the estimate then says whether the step fits
     as is, and otherwise the plan that fits (or why none does). ``minimum``: also find the
     smallest device the lowest plan fits in (a solver run at an infeasible budget; seconds on
-    models with hundreds of blocks)."""
-    model = device_model(device) if isinstance(device, str) else device
+    models with hundreds of blocks). ``device``: the device modelled; by default the step's own
+    (``TrainingStep.device``).
+
+    The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
+    no gradients, with the last step's alive until its backward, with accumulated ones kept."""
     started = time.perf_counter()
     traces: list[Trace] = []
     with FakeTensorMode(allow_non_fake_inputs=False), _values_refused():
         with fake_module_support():
             step = build()
+        chosen = step.device if device is None else device
+        model = device_model(chosen) if isinstance(chosen, str) else chosen
         if model.foreach_optimizers:
             for optimizer in step.optimizers:
                 for group in optimizer.param_groups:
                     if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                         group["foreach"] = True  # what torch picks on CUDA; on CPU it loops per parameter
 
+        workspaces_below = _workspace_cap() if model.measures_workspaces else 0
+
         def profile(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not traces and torch.is_grad_enabled():
-                traces.append(record_trace(module, args, kwargs, inside_call=True, measure=False))
+                trace = record_trace(
+                    module, args, kwargs, inside_call=True, measure=False, workspaces_below=workspaces_below
+                )
+                traces.append(trace)
 
         handle = step.target.register_forward_pre_hook(profile, with_kwargs=True)
         try:
@@ -203,25 +227,24 @@ def estimate_step(
         batch_bytes = storage_bytes(batch, model.allocation_rounding, seen)
         trainable = [p for m in step.modules.values() for p in m.parameters() if p.requires_grad]
         gradient_bytes = storage_bytes(trainable, model.allocation_rounding, set())
-        clear_grads(step)
-        gc.collect()
-        with LiveBytes(model.allocation_rounding) as meter:
-            phases: dict[str, int] = {}
-
-            def metered_closure() -> Any:
-                result = step.forward_backward()
-                phases["forward_backward"] = meter.peak
-                meter.reset_peak()
-                return result
-
-            step.optimizer_step(metered_closure)
-            phases["optimizer_step"] = meter.peak
+        phases = {"forward_backward": 0, "optimizer_step": 0}
+        for case in sorted(step.gradients_at_forward, key=_CASE_ORDER.index):  # each leaves gradients for the next
+            for phase, peak in _metered_step(step, case, trainable, model.allocation_rounding).items():
+                phases[phase] = max(phases[phase], peak)
         step_model = step_model_for(step.target)
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
-    solver = Solver(Simulator(trace, step_model), selective=step_model.backward_passes == 1)
+    loop = LoopModel(step.gradients_at_forward)
+    solver = Solver(Simulator(trace, step_model, loop=loop), selective=step_model.backward_passes == 1)
     target_naive = solver.naive().peak_bytes
+    # what the kernels allocate beyond their outputs, where it falls in the step (measured here)
+    unworked = dataclasses.replace(
+        trace, event_workspace=[0] * trace.num_events, event_forward_workspace=[0] * trace.num_events
+    )
+    kernel_workspace = max(
+        0, target_naive - Simulator(unworked, step_model, loop=loop).run([Option.KEEP] * len(trace.nodes)).peak_bytes
+    )
     estimate = StepEstimate(
         device=model.name,
         parameter_bytes=parameter_bytes,
@@ -230,7 +253,9 @@ def estimate_step(
         optimizer_state_bytes=optimizer_state,
         batch_bytes=batch_bytes,
         library_workspace_bytes=model.library_workspace_bytes,
-        forward_backward_peak_bytes=phases["forward_backward"],
+        forward_backward_peak_bytes=phases["forward_backward"] + kernel_workspace,
+        kernel_workspace_bytes=kernel_workspace,
+        unmeasured_workspace_ops=trace.unmeasured_workspaces,
         optimizer_step_peak_bytes=phases["optimizer_step"],
         target=type(step.target).__name__,
         target_naive_peak_bytes=target_naive,
@@ -238,6 +263,7 @@ def estimate_step(
         minimum_plan_recompute_time_ratio=None,
         estimate_seconds=0.0,
         step_model=step_model.name,
+        gradients_at_forward=step.gradients_at_forward,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:
@@ -246,6 +272,39 @@ def estimate_step(
         estimate.fit = _fit(estimate, solver, device_memory)
     estimate.estimate_seconds = time.perf_counter() - started
     return estimate
+
+
+_CASE_ORDER = [PriorGradients.RELEASED, PriorGradients.UNTIL_BACKWARD, PriorGradients.ACCUMULATED]
+
+
+def _metered_step(
+    step: TrainingStep, case: PriorGradients, trainable: list[nn.Parameter], rounding: int
+) -> dict[str, int]:
+    """One step under the live-bytes meter in ``case``: the peaks of its forward and backward and
+    of its optimizer step, above what is held (the gradients alive at its start counted)."""
+    if case is PriorGradients.RELEASED:
+        clear_grads(step)
+    zero_grad = step.zero_grad_before_backward if case is PriorGradients.UNTIL_BACKWARD else None
+    gc.collect()
+    phases: dict[str, int] = {}
+    with LiveBytes(rounding) as meter:
+        meter.count([p.grad for p in trainable if p.grad is not None])
+
+        def metered_closure() -> Any:
+            result = step.forward_backward()
+            phases["forward_backward"] = meter.peak
+            meter.reset_peak()
+            return result
+
+        if zero_grad is not None:
+            zero_grad(True)
+        try:
+            step.optimizer_step(metered_closure)
+        finally:
+            if zero_grad is not None:
+                zero_grad(False)
+        phases["optimizer_step"] = meter.peak
+    return phases
 
 
 def storage_bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
@@ -283,6 +342,12 @@ def _plan_ratios(solver: Solver, result: Any) -> tuple[float, float]:
     time_ratio = result.recompute_cost / max(solver.sim.step_ns, 1.0)
     flop_ratio = result.recompute_flops / max(3 * sum(trace.event_flops), 1)
     return time_ratio, flop_ratio
+
+
+def _workspace_cap() -> int:
+    """The largest op whose workspace a CPU estimate measures on real stand-ins: an eighth of
+    the memory available now (a model larger than this machine is estimated without them)."""
+    return psutil.virtual_memory().available // 8
 
 
 def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:

@@ -144,6 +144,27 @@ def load_run_record(path: str | Path) -> dict[str, Any]:
     return record
 
 
+@dataclass(frozen=True)
+class PlanPromise:
+    """A run's plan on the device: what training holds outside the step plus the step's budget
+    and predicted peak, in MiB (the snapshots' scale)."""
+
+    held_mb: float
+    budget_mb: float
+    predicted_mb: float
+
+
+def plan_promise(record: dict[str, Any]) -> PlanPromise | None:
+    """The plan's budget and prediction as device totals, or None for a run without a plan."""
+    plan = record.get("config", {}).get("plan")
+    if not plan or not plan.get("held_bytes"):
+        return None
+    held = plan["held_bytes"]["parameters"] + plan["held_bytes"]["optimizer_state"]
+    return PlanPromise(
+        held / 2**20, (held + plan["budget"]["bytes"]) / 2**20, (held + plan["predicted_peak_bytes"]) / 2**20
+    )
+
+
 def format_stage_table(record: dict[str, Any]) -> str:
     """A readable table of the highest sampled step, stage by stage, with the run's totals."""
     snapshots = record["snapshots"]
@@ -174,4 +195,11 @@ def format_stage_table(record: dict[str, Any]) -> str:
         f"  peak {record['peak_memory_mb']:.2f} MiB over {len({s['step'] for s in snapshots})} sampled batches; "
         + (f"step time {time:.1f} ms (mean of {record['timed_steps']} steps)" if time is not None else "no timed steps")
     )
+    promise = plan_promise(record)
+    if promise is not None:
+        verdict = "within" if record["peak_memory_mb"] <= promise.budget_mb else "OVER"
+        lines.append(
+            f"  the plan: budget {promise.budget_mb:.2f} MiB (training holds {promise.held_mb:.2f} MiB outside the "
+            f"step), predicted peak {promise.predicted_mb:.2f} MiB; the sampled peak is {verdict} the budget"
+        )
     return "\n".join(lines)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_tbp.memory.record import BREAKDOWN_KEYS, STAGES, format_stage_table, load_run_record
+from lightning_tbp.memory.record import BREAKDOWN_KEYS, STAGES, format_stage_table, load_run_record, plan_promise
 
 
 @dataclass
@@ -86,9 +86,15 @@ def _plot_timeline(plt: Any, records: list[dict[str, Any]], labels: list[str], p
             ax.plot(
                 x, [s["peak_mb"] for s in snaps], linestyle="--", color=color, label=f"{label}: peak" if first else None
             )
+        promise = plan_promise(record)
+        if promise is not None:
+            ax.axhline(
+                promise.budget_mb, color=color, linestyle="-", linewidth=2.5, alpha=0.4, label=f"{label}: budget"
+            )
+            ax.axhline(promise.predicted_mb, color=color, linestyle=":", label=f"{label}: predicted peak")
     ax.set_xlabel("metered batch (each: start, after forward, after backward, after step)")
     ax.set_ylabel("MiB")
-    ax.set_title("Memory at each stage of the metered batches (peak: highest since the previous stage)")
+    ax.set_title("Memory at each stage of the metered batches, against the plan's budget and prediction", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -134,6 +140,15 @@ def _summary(records: list[dict[str, Any]], labels: list[str]) -> str:
             f"{label.ljust(width)}  {record['peak_memory_mb']:9.2f}  {peak_ratio:7.3f}  {time_cells}  "
             f"{record['breakdown']['activations_mb']:15.2f}"
         )
+    for record, label in zip(records, labels, strict=True):
+        promise = plan_promise(record)
+        if promise is not None:
+            verdict = "within" if record["peak_memory_mb"] <= promise.budget_mb else "OVER"
+            lines.append(
+                f"{label}: plan budget {promise.budget_mb:.2f} MiB on the device (held {promise.held_mb:.2f} + the "
+                f"step's), predicted {promise.predicted_mb:.2f}; sampled peak {record['peak_memory_mb']:.2f} MiB, "
+                f"{verdict} the budget"
+            )
     for record in records:
         lines += ["", format_stage_table(record)]
         if record.get("timing_includes_meter"):

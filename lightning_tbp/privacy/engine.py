@@ -29,6 +29,7 @@ rematerialization plan) recompute them like any other activation, and gradients 
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -205,7 +206,8 @@ class DPEngine:
         batch = self._forward_batch
         return batch if batch and rows % batch == 0 else rows
 
-    def _tapped_forward(self, slot: _Slot, x: Tensor) -> Tensor:
+    def _tapped_forward(self, slot: _Slot, *args: Any, **kwargs: Any) -> Tensor:
+        x = _layer_input(slot, args, kwargs)
         self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
             output, saved = slot.handler.forward(slot.module, x)
@@ -679,6 +681,31 @@ class DPEngine:
             if not self._held[key]:
                 del self._held[key]
                 self.buffers.current_bytes -= tensor.untyped_storage().nbytes()
+
+
+def _layer_input(slot: _Slot, args: tuple, kwargs: dict) -> Tensor:
+    """The one input a handled layer is called with, by position or by its forward's name for it
+    (diffusers calls some as ``layer(input=x)``); any other argument would change what the
+    layer computes in a way its handler does not know, so it is refused by name."""
+    forward = type(slot.module).forward
+    try:
+        bound = inspect.signature(forward).bind(slot.module, *args, **kwargs)
+    except TypeError as error:
+        called = _described(args, kwargs)
+        raise TypeError(f"{slot.name} ({type(slot.module).__name__}) called with {called}: {error}") from None
+    names = list(bound.arguments)[1:]  # after self
+    if len(names) != 1 or not isinstance(bound.arguments[names[0]], Tensor):
+        raise CoverageError(
+            f"{slot.name} ({type(slot.module).__name__}) is called with {_described(args, kwargs)}; the DP engine "
+            f"clips it per sample only when it is called on one tensor (its forward's {names[0] if names else 'input'}"
+            "), as torch's own layer is. Call it so, or freeze its parameters"
+        )
+    return bound.arguments[names[0]]
+
+
+def _described(args: tuple, kwargs: dict) -> str:
+    parts = [type(a).__name__ for a in args] + [f"{k}={type(v).__name__}" for k, v in kwargs.items()]
+    return f"({', '.join(parts)})"
 
 
 def _merged_shape(shape: Sequence[int], batch: int, features: int) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from lightning_tbp.compat import op_schema, tree_flatten, tree_map
+from lightning_tbp.compat import op_schema, tree_flatten, tree_map, unset_fake_temporarily
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, garbage_collection_held
 from lightning_tbp.remat.overheads import timed_ns
 
@@ -42,6 +42,12 @@ class TensorSpec:
     dtype: torch.dtype
     device: torch.device
     needs_grad: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the storage a stand-in allocates."""
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(self.shape, self.stride, strict=True))
+        return (extent if all(self.shape) else 0) * self.dtype.itemsize
 
     @classmethod
     def of(cls, tensor: torch.Tensor, needs_grad: bool = False) -> TensorSpec:
@@ -166,6 +172,30 @@ class OpCalibrator:
         times = {event: per_job[jobs[event]][:2] if event in jobs else (0.0, 0.0) for event in self.event_keys}
         workspaces = {event: per_job[job][2:] for event, job in jobs.items() if job[0] in metered}
         return times, workspaces
+
+    def measure_workspaces(self, consumed: set[int], limit_bytes: int) -> tuple[dict[int, tuple[int, int]], int]:
+        """(forward, backward) workspace bytes per heavy event, measured on real stand-ins on this
+        machine for a trace made of fake tensors (``tbp estimate``): what the kernels here
+        allocate beyond their outputs, which fake tensors cannot show (on a CPU without native
+        bf16, a bf16 convolution takes im2col's slow path and its column buffers). Ops whose
+        stand-ins would take more than ``limit_bytes`` are skipped; returns their count too."""
+        fits = {key for key in self._workspace_keys if _stand_in_bytes(self._specs[key]) <= limit_bytes}
+        skipped = len(self._workspace_keys) - len(fits)
+        jobs = {
+            event: (key, tuple(sid is None or sid in consumed for sid in self._event_outputs[event]))
+            for event, key in self.event_keys.items()
+            if key in fits
+        }
+        with unset_fake_temporarily(), garbage_collection_held(collect=False):
+            per_job = {
+                job: _measure_op(*self._specs[job[0]], job[1], timed=False, metered=True) for job in set(jobs.values())
+            }
+        return {event: per_job[job][2:] for event, job in jobs.items()}, skipped
+
+
+def _stand_in_bytes(spec: tuple) -> int:
+    """Bytes an op's stand-ins and their gradients take: twice its tensor arguments'."""
+    return 2 * sum(x.nbytes for x in tree_flatten(spec[1:])[0] if isinstance(x, TensorSpec))
 
 
 _TIMING_RUNS = 2

@@ -110,6 +110,8 @@ class Trace:
     taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
     # Peak of the loss a step is assumed to compute from the outputs until one is measured (``loss.py``)
     assumed_loss_bytes: int = 0
+    # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
+    unmeasured_workspaces: int = 0
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU); a recompute holds one more copy while it runs
     checkpoint_state_bytes: int = 0
@@ -367,6 +369,7 @@ def record_trace(
     inside_call: bool = False,
     measure: bool = True,
     block_inputs: BlockInputCapture | None = None,
+    workspaces_below: int = 0,
 ) -> Trace:
     """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
 
@@ -384,6 +387,9 @@ def record_trace(
     ``measure=False``: sizes, saves and FLOPs only, for a module and inputs made of fake tensors
     (``lightning_tbp.estimate``): nothing can run for real, so op times, workspaces and plan
     overheads are left at zero for the caller to model, and no device's random state is touched.
+    ``workspaces_below`` (bytes, with ``measure=False``): measure the heavy ops' workspaces anyway,
+    on real stand-ins on this machine's CPU, for ops whose stand-ins take less (a fake trace of a
+    CPU step); ``trace.unmeasured_workspaces`` counts the ops skipped.
     """
     trace = Trace()
     root = Node(index=0, path="", parent=-1)
@@ -464,6 +470,11 @@ def record_trace(
                 consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
                 times, workspaces = recorder.calibrator.measure(consumed)
                 trace.assumed_loss_bytes = assumed_loss_bytes(outputs)
+            elif workspaces_below:
+                consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
+                workspaces, trace.unmeasured_workspaces = recorder.calibrator.measure_workspaces(
+                    consumed, workspaces_below
+                )
             _meter_taps(trace.taps, measure)
     finally:
         stop_listening(listening)

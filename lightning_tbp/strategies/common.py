@@ -450,7 +450,8 @@ class TinyBackpropMixin:
         return self.privacy.engine.buffers
 
     def memory_report_config(self) -> dict[str, Any]:
-        """What ``MemoryProfilerCallback`` records about this strategy: the plan in force, the DP mode."""
+        """What ``MemoryProfilerCallback`` records about this strategy: the plan in force, the DP mode,
+        the whole steps of the loop it metered against the plan."""
         dp = None
         if self.privacy is not None:
             state = self.privacy.state_dict()
@@ -460,7 +461,7 @@ class TinyBackpropMixin:
         summary = self.plan.to_dict()
         for detail in ("blocks", "edges", "signature"):
             summary.pop(detail)
-        return {"plan": summary, "dp": dp}
+        return {"plan": summary, "dp": dp, "loop_steps": self.loop_steps()}
 
     @override
     def teardown(self) -> None:

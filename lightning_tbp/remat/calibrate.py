@@ -21,7 +21,7 @@ keeps this memory-safe.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,15 +136,18 @@ class OpCalibrator:
         if not _is_view(func) and not _is_communication(func):
             self._timed_keys.add(key)
 
-    def measure(self, consumed: set[int]) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[int, int]]]:
+    def measure(
+        self, consumers: Mapping[int, int]
+    ) -> tuple[dict[int, tuple[float, float]], dict[int, tuple[int, int]]]:
         """(forward, backward) nanoseconds per noted event (0 for views), and (forward, backward)
         workspace bytes per heavy event (none under a running profiler on CPU).
 
-        An op's backward gets gradients only for outputs whose storage is in ``consumed`` (read
-        by a later op, or returned): autograd hands none to the others, and some backwards take
+        An op's backward gets gradients only for outputs whose storage ``consumers`` counts (read
+        by later ops, or returned): autograd hands none to the others, and some backwards take
         another path when one comes (group and layer norm's backward for a gradient at the saved
         mean or rstd is torch's double-differentiable composite, 10x slower on a VAE than the
-        kernel the training step runs).
+        kernel the training step runs). An output read by several ops gets their gradients'
+        sum, whose layout need not be its own (see ``_measure_op``).
 
         Each distinct op is materialised once and run for both: timing and metering from the
         same inputs and the same forward halves what a separate pass for each cost (a third of
@@ -158,7 +161,7 @@ class OpCalibrator:
             )
             metered = set()
         jobs = {
-            event: (key, tuple(sid is None or sid in consumed for sid in self._event_outputs[event]))
+            event: (key, self._gradients_of(event, consumers))
             for event, key in self.event_keys.items()
             if key in self._timed_keys or key in metered
         }
@@ -173,7 +176,13 @@ class OpCalibrator:
         workspaces = {event: per_job[job][2:] for event, job in jobs.items() if job[0] in metered}
         return times, workspaces
 
-    def measure_workspaces(self, consumed: set[int], limit_bytes: int) -> tuple[dict[int, tuple[int, int]], int]:
+    def _gradients_of(self, event: int, consumers: Mapping[int, int]) -> tuple[int, ...]:
+        """Per output of ``event``, how many gradients reach it (0: none; a storage-less output: 1)."""
+        return tuple(1 if sid is None else consumers.get(sid, 0) for sid in self._event_outputs[event])
+
+    def measure_workspaces(
+        self, consumers: Mapping[int, int], limit_bytes: int
+    ) -> tuple[dict[int, tuple[int, int]], int]:
         """(forward, backward) workspace bytes per heavy event, measured on real stand-ins on this
         machine for a trace made of fake tensors (``tbp estimate``): what the kernels here
         allocate beyond their outputs, which fake tensors cannot show (on a CPU without native
@@ -182,9 +191,7 @@ class OpCalibrator:
         fits = {key for key in self._workspace_keys if _stand_in_bytes(self._specs[key]) <= limit_bytes}
         skipped = len(self._workspace_keys) - len(fits)
         jobs = {
-            event: (key, tuple(sid is None or sid in consumed for sid in self._event_outputs[event]))
-            for event, key in self.event_keys.items()
-            if key in fits
+            event: (key, self._gradients_of(event, consumers)) for event, key in self.event_keys.items() if key in fits
         }
         with unset_fake_temporarily(), garbage_collection_held(collect=False):
             per_job = {
@@ -253,10 +260,10 @@ def first_run(
 
 
 def _measure_op(
-    func: Any, spec_args: tuple, spec_kwargs: dict, differentiated: tuple[bool, ...], *, timed: bool, metered: bool
+    func: Any, spec_args: tuple, spec_kwargs: dict, gradients: tuple[int, ...], *, timed: bool, metered: bool
 ) -> tuple[float, float, int, int]:
     """One op alone: its forward and backward time (if ``timed``; the backward for random
-    gradients at the output tensors ``differentiated`` flags, in order) and workspace (if
+    gradients at the output tensors ``gradients`` counts as reached, in order) and workspace (if
     ``metered``: the forward's peak beyond its outputs, the backward's beyond the gradients it
     returns). The first forward and backward, metered or not, warm the kernels up for the timed
     runs and are timed themselves (a long one is not repeated, ``best_ns``). Zeros where the op
@@ -283,8 +290,9 @@ def _measure_op(
             with torch.no_grad():
                 forward_ns = best_ns(lambda: func(*args, **kwargs), device, warm_up_ns=first_ns)
         tensors = [o for o in results if isinstance(o, torch.Tensor)]
-        flags = differentiated + (True,) * (len(tensors) - len(differentiated))  # a data-dependent count: all
-        outs = [o for o, flag in zip(tensors, flags, strict=False) if flag and o.requires_grad]
+        counts = gradients + (1,) * (len(tensors) - len(gradients))  # a data-dependent count: all
+        outs = [o for o, count in zip(tensors, counts, strict=False) if count and o.requires_grad]
+        summed = [count > 1 for o, count in zip(tensors, counts, strict=False) if count and o.requires_grad]
         if not (inputs and outs and (timed or metered)):
             return forward_ns, 0.0, forward_workspace, 0
 
@@ -297,6 +305,19 @@ def _measure_op(
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
             first_ns, reading = first_run(backward, device)
             backward_workspace = max(0, reading.peak_bytes - grad_bytes)
+            if any(many and not g.is_contiguous() for g, many in zip(grads, summed, strict=True)):
+                # An output read by several ops gets the sum of their gradients, which is dense where
+                # their layouts differ (a channels-last output read by a group norm and, through
+                # ``.contiguous()``, by a shortcut convolution: a VAE's up-block), and a kernel given
+                # mixed layouts copies one of them first: 1 MiB more than measured for the VAE's
+                # upsampling convolution, whose plan ran 1.11x its prediction. The larger is kept.
+                dense = [g.contiguous() if many else g for g, many in zip(grads, summed, strict=True)]
+
+                def dense_backward() -> None:
+                    torch.autograd.grad(outs, inputs, dense, retain_graph=True, allow_unused=True)
+
+                _, reading = first_run(dense_backward, device)
+                backward_workspace = max(backward_workspace, reading.peak_bytes - grad_bytes)
         if timed:
             backward_ns = best_ns(backward, device, warm_up_ns=first_ns)
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran

@@ -467,13 +467,11 @@ def record_trace(
             if measure:
                 # an output no later op reads gets no gradient (a norm's saved mean and rstd, an
                 # attention's logsumexp): its op's backward is timed without one
-                consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
-                times, workspaces = recorder.calibrator.measure(consumed)
+                times, workspaces = recorder.calibrator.measure(_consumers(trace))
                 trace.assumed_loss_bytes = assumed_loss_bytes(outputs)
             elif workspaces_below:
-                consumed = {sid for inputs in trace.event_inputs for sid in inputs} | set(trace.module_outputs)
                 workspaces, trace.unmeasured_workspaces = recorder.calibrator.measure_workspaces(
-                    consumed, workspaces_below
+                    _consumers(trace), workspaces_below
                 )
             _meter_taps(trace.taps, measure)
     finally:
@@ -507,6 +505,13 @@ def record_trace(
     root.first_event, root.last_event = 0, trace.num_events - 1
     trace.parameter_grad_bytes = sum(local_bytes(p) for p in module.parameters() if p.requires_grad)
     return trace
+
+
+def _consumers(trace: Trace) -> Counter[int]:
+    """How many ops read each storage (a module output counts as read once more)."""
+    consumers: Counter[int] = Counter(sid for inputs in trace.event_inputs for sid in set(inputs))
+    consumers.update(trace.module_outputs)
+    return consumers
 
 
 def _meter_taps(taps: list[TapNote], measure: bool) -> None:

@@ -305,13 +305,13 @@ def _measure_op(
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
             first_ns, reading = first_run(backward, device)
             backward_workspace = max(0, reading.peak_bytes - grad_bytes)
-            if any(many and not g.is_contiguous() for g, many in zip(grads, summed, strict=True)):
-                # An output read by several ops gets the sum of their gradients, which is dense where
-                # their layouts differ (a channels-last output read by a group norm and, through
+            if any(mixed and _channels_last(g) for g, mixed in zip(grads, summed, strict=True)):
+                # A channels-last output read by several ops gets the sum of their gradients, which is
+                # row-major where their layouts differ (an output read by a group norm and, through
                 # ``.contiguous()``, by a shortcut convolution: a VAE's up-block), and a kernel given
                 # mixed layouts copies one of them first: 1 MiB more than measured for the VAE's
                 # upsampling convolution, whose plan ran 1.11x its prediction. The larger is kept.
-                dense = [g.contiguous() if many else g for g, many in zip(grads, summed, strict=True)]
+                dense = [g.contiguous() if mixed else g for g, mixed in zip(grads, summed, strict=True)]
 
                 def dense_backward() -> None:
                     torch.autograd.grad(outs, inputs, dense, retain_graph=True, allow_unused=True)
@@ -323,6 +323,14 @@ def _measure_op(
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
         return forward_ns, backward_ns, forward_workspace, backward_workspace
     return forward_ns, backward_ns, forward_workspace, backward_workspace
+
+
+def _channels_last(tensor: torch.Tensor) -> bool:
+    """A dense tensor in channels-last order (not row-major): what convolutions keep on CPU."""
+    if tensor.is_contiguous():
+        return False
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return tensor.dim() in formats and tensor.is_contiguous(memory_format=formats[tensor.dim()])
 
 
 def _random_like(tensor: torch.Tensor) -> torch.Tensor:

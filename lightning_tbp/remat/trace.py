@@ -25,12 +25,12 @@ from collections import Counter
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten, writes_input
+from lightning_tbp.compat import TorchDispatchMode, op_packet, storage_key, tree_flatten, writes_input
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
@@ -112,6 +112,9 @@ class Trace:
     assumed_loss_bytes: int = 0
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
     unmeasured_workspaces: int = 0
+    # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops
+    # as well, their gradient is the row-major sum of gradients of both layouts (``_gradients``)
+    densified_storages: set[int] = field(default_factory=set)
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU); a recompute holds one more copy while it runs
     checkpoint_state_bytes: int = 0
@@ -257,6 +260,8 @@ class _Recorder(TorchDispatchMode):
             trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
             outputs.append(sid)
             new_elements += tensor.numel()
+        if _densifies(func, args, out) and (source := self.sid_of(args[0])) is not None:
+            trace.densified_storages.add(source)
         flops = flop_count(func, args, kwargs, out)
         # what autograd will differentiate, tensor by tensor: a parameter read through a detached
         # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
@@ -507,11 +512,28 @@ def record_trace(
     return trace
 
 
-def _consumers(trace: Trace) -> Counter[int]:
-    """How many ops read each storage (a module output counts as read once more)."""
-    consumers: Counter[int] = Counter(sid for inputs in trace.event_inputs for sid in set(inputs))
-    consumers.update(trace.module_outputs)
-    return consumers
+def _consumers(trace: Trace) -> dict[int, int]:
+    """Per storage that gets a gradient: 1, or 2 where that gradient is a sum of gradients of
+    different layouts (a channels-last storage read by several ops, one of which copies it to
+    row-major): the calibrator then measures its op's backward with both layouts."""
+    reads: Counter[int] = Counter(sid for inputs in trace.event_inputs for sid in set(inputs))
+    reads.update(trace.module_outputs)
+    return {sid: 2 if count > 1 and sid in trace.densified_storages else 1 for sid, count in reads.items()}
+
+
+def _densifies(func: Any, args: tuple, out: object) -> bool:
+    """Whether ``func`` copies a channels-last tensor to a row-major one (``.contiguous()``)."""
+    if op_packet(func) not in (torch.ops.aten.clone, torch.ops.aten._to_copy) or not args:
+        return False
+    source = args[0]
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and source.dim() == 4
+        and not source.is_contiguous()
+        and source.is_contiguous(memory_format=torch.channels_last)
+        and out.is_contiguous()
+    )
 
 
 def _meter_taps(taps: list[TapNote], measure: bool) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -43,6 +43,7 @@ from lightning_tbp.strategies.loop import (
     case_of_step,
     gradient_bytes,
     loop_model,
+    release_gradients_before_validation,
     release_gradients_early,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
@@ -153,6 +154,8 @@ class TinyBackpropMixin:
         self._loop_steps: list[tuple[LoopStep, ShapePlan]] = []
         self._watch_first = 3
         self._batch_index = -1
+        self._last_batch_idx = -1
+        self._plans_at_batch_start = 0
 
     # -- the parts of the Lightning strategy API that change --------------------------------------
     @override
@@ -209,6 +212,8 @@ class TinyBackpropMixin:
     def _forward_started(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.plan is not None and torch.is_grad_enabled():
             self._clock.forward_started(self.plan.current, args, kwargs, self.root_device)
+            if self._watch is not None:
+                self._watch.forward_starting(planned=len(self.plan.shape_plans) > self._plans_at_batch_start)
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part
@@ -318,6 +323,8 @@ class TinyBackpropMixin:
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
         self._batch_index += 1
+        self._last_batch_idx = batch_idx
+        self._plans_at_batch_start = 0 if self.plan is None else len(self.plan.shape_plans)
         if self._watch is None:
             return
         module = self.lightning_module
@@ -326,6 +333,15 @@ class TinyBackpropMixin:
             self._batch_index, alive, self._optimizer_state_bytes(), can_meter(self.root_device)
         )
         self._check_loop_step(ended)
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        trainer = self.lightning_module.trainer
+        if not trainer.training and trainer.state.fn == "fit" and self._batch_index >= 0:  # inside fit
+            if self._watch is not None:
+                self._check_loop_step(self._watch.validation_started(self._optimizer_state_bytes()))
+            release_gradients_before_validation(self.lightning_module, self._last_batch_idx)
 
     def _optimizer_state_bytes(self) -> int:
         return tensor_bytes(self.lightning_module, self.optimizers, self.root_device).optimizer_state
@@ -344,6 +360,15 @@ class TinyBackpropMixin:
                 f"{format_bytes(step.peak_bytes)} above what training holds, {step.peak_bytes / predicted:.3f}x the "
                 f"predicted {format_bytes(predicted)}, {'within' if within else 'OVER'} the budget "
                 f"{format_bytes(shape_plan.budget_bytes)} on rank 0"
+            )
+        planning = step.planning_peak_bytes
+        if planning is not None and planning > shape_plan.budget_bytes:
+            rank_zero_warn(
+                f"tiny_backprop: planning at training step {step.index} (the profile and the op and block timings, "
+                f"once per input shape) peaked at {format_bytes(planning)} above what training holds, over the "
+                f"budget {format_bytes(shape_plan.budget_bytes)} its step keeps: a model this small spends more on "
+                "being measured than on its step. Give it a larger budget, or plan it once outside the loop "
+                "(lightning_tbp.rematerialize) and check it with plan.verify"
             )
         self._replan_if_over(shape_plan, step.peak_bytes, predicted)
 
@@ -436,6 +461,7 @@ class TinyBackpropMixin:
                 "step": step.index,
                 "gradients_at_forward": step.case.value,
                 "peak_bytes": step.peak_bytes,
+                "planning_peak_bytes": step.planning_peak_bytes,
                 "predicted_bytes": shape_plan.predicted_case_bytes(step.case),
                 "budget_bytes": shape_plan.budget_bytes,
             }

@@ -66,6 +66,15 @@ def release_gradients_early(module: pl.LightningModule, batch_idx: object) -> bo
     return True
 
 
+def release_gradients_before_validation(module: pl.LightningModule, last_batch_idx: int) -> bool:
+    """Free the gradients before a validation inside fit when the next training batch starts a
+    window whose ``zero_grad`` frees them anyway and nothing reads them in between (Lightning
+    keeps them through the validation); returns whether it did."""
+    trainer = module.trainer
+    window_ended = (last_batch_idx + 1) % trainer.accumulate_grad_batches == 0
+    return window_ended and release_gradients_early(module, last_batch_idx + 1)
+
+
 def loop_model(module: pl.LightningModule, device: torch.device) -> LoopModel:
     """The cases of the loop the plan must hold in, as its configuration says (a loop seen to
     keep gradients the configuration did not announce widens it: :func:`case_of_step`)."""
@@ -105,7 +114,10 @@ class LoopStep:
     peak_bytes: int
     """Its peak above what training holds outside the step (parameters, EMA copies, optimizer
     state): the gradients and the batch alive at its start count, as the state its first
-    optimizer step made does not."""
+    optimizer step made does not. Planning, where the step made a plan, is apart:"""
+    planning_peak_bytes: int | None = None
+    """The peak of the planner's own one-time work (profile, op and block calibration) before the
+    step's forward, on the same scale; None when the step made no plan."""
 
 
 @dataclass
@@ -114,6 +126,8 @@ class _Open:
     case: PriorGradients
     base_level: int  # the meter's level of what training holds outside the step, as the step starts
     state_bytes: int  # the optimizer state held at its start
+    forward_mark: int | None = None  # the mark where its first forward started (after any planning)
+    planned: bool = False  # the step made a plan before that forward
     optimizer_mark: int | None = None  # the mark at its optimizer step, when one ran
 
 
@@ -161,10 +175,24 @@ class LoopWatch:
             self.stop()
         return ended
 
+    def validation_started(self, state_bytes: int) -> LoopStep | None:
+        """A validation starts inside fit: the step before it ends here (what validation holds is
+        not the training step's; the region stays open for the step after it)."""
+        ended = self._end_step(state_bytes)
+        if self._reading is not None:
+            self._mark()
+        return ended
+
     def step_case(self, case: PriorGradients) -> None:
         """The step's forward starts in ``case`` (known once the strategy has freed what it frees)."""
         if self._step is not None:
             self._step.case = case
+
+    def forward_starting(self, planned: bool) -> None:
+        """The step's module forward starts (the first of the step), after planning if ``planned``."""
+        if self._step is not None and self._reading is not None and self._step.forward_mark is None:
+            self._mark()
+            self._step.forward_mark, self._step.planned = self._marks - 1, planned
 
     def optimizer_stepping(self) -> None:
         """The optimizer's step is about to run (the backward is over)."""
@@ -193,12 +221,14 @@ class LoopWatch:
             return None
         self._mark()
         marks = self._reading.marks
-        end = marks[-1]
         grown = max(0, state_bytes - step.state_bytes)  # the first optimizer step makes the state
-        if step.optimizer_mark is None:
-            peak = end.peak_before_bytes
-        else:
-            peak = max(marks[step.optimizer_mark].peak_before_bytes, end.peak_before_bytes - grown)
-        done = LoopStep(step.index, step.case, peak - step.base_level)
+        # windows between the step's marks: before its forward, to the optimizer step, after it
+        cuts = [i for i in (step.forward_mark, step.optimizer_mark) if i is not None] + [len(marks) - 1]
+        windows = [marks[i].peak_before_bytes for i in cuts]
+        if step.optimizer_mark is not None:
+            windows[-1] -= grown
+        planning = windows.pop(0) - step.base_level if step.planned else None
+        peak = max(windows)
+        done = LoopStep(step.index, step.case, peak - step.base_level, planning)
         self.steps.append(done)
         return done

@@ -265,6 +265,7 @@ def predictions_skewed_low(monkeypatch: pytest.MonkeyPatch) -> float:
     def skewed(result):
         if result is not None:
             result.peak_bytes = int(result.peak_bytes * skew)
+            result.case_peaks = {case: int(peak * skew) for case, peak in result.case_peaks.items()}
         return result
 
     monkeypatch.setattr(simulate.Simulator, "run", lambda self, options: skewed(run(self, options)))

@@ -255,22 +255,26 @@ def test_freeing_early_leaves_training_exactly_as_lightning_runs_it() -> None:
 
 def test_a_loop_step_is_measured_from_its_batch_to_the_next() -> None:
     """``LoopWatch`` on a hand-made loop: a step's peak above what training holds, the gradients
-    alive at its start counted and the optimizer state its first step makes left out. The region
-    opens a batch early, so the last step's gradients are seen when the step frees them."""
+    alive at its start counted and the optimizer state its first step makes left out. A later
+    metered step's region opens at the previous batch's backward, so the gradients made there are
+    seen when the step frees them."""
     from lightning_tbp.strategies.loop import LoopWatch
 
-    watch = LoopWatch(torch.device("cpu"), first=2, every=0)
+    watch = LoopWatch(torch.device("cpu"), first=0, every=2)
     mib = 1 << 20
-    assert watch.batch_started(0, alive_bytes=0, state_bytes=0, can_meter=True) is None
-    grads = torch.empty(mib, dtype=torch.uint8)  # step 0's gradients, alive when step 1 starts
-    assert watch.batch_started(1, alive_bytes=mib, state_bytes=0, can_meter=True) is not None
-    del grads  # freed before the forward
+    old = torch.empty(mib, dtype=torch.uint8)  # gradients from before the meter
+    assert watch.batch_started(1, alive_bytes=mib, state_bytes=0, can_meter=True) is None
+    del old  # freed unseen: no region yet
+    watch.training_step_ended(1, can_meter=True)  # batch 2 is metered: the region opens here
+    grads = torch.empty(mib, dtype=torch.uint8)  # batch 1's backward
+    assert watch.batch_started(2, alive_bytes=mib, state_bytes=0, can_meter=True) is None
+    del grads  # freed before the forward, seen
     activations = torch.empty(3 * mib, dtype=torch.uint8)
     del activations
     grads = torch.empty(mib, dtype=torch.uint8)
     watch.optimizer_stepping()
     state = torch.empty(2 * mib, dtype=torch.uint8)  # made by the first optimizer step
-    step = watch.batch_started(2, alive_bytes=mib, state_bytes=2 * mib, can_meter=True)
-    assert step is not None and (step.index, step.peak_bytes) == (1, 3 * mib)  # its 3 made after 1 freed
-    assert watch.stop(state_bytes=2 * mib) is None  # step 2 is not watched: the region closed at its start
+    step = watch.batch_started(3, alive_bytes=mib, state_bytes=2 * mib, can_meter=True)
+    assert step is not None and (step.index, step.peak_bytes) == (2, 3 * mib)  # its 3 made after 1 freed
+    assert watch.stop(state_bytes=2 * mib) is None  # batch 3 is not metered: the region closed at its start
     del grads, state

@@ -303,6 +303,8 @@ class TinyBackpropMixin:
         output = super().training_step(*args, **kwargs)
         if self.plan is not None and self.plan.current is not None:
             self._watched_plans[self._batch_index] = self.plan.current
+        if self._watch is not None:
+            self._watch.training_step_ended(self._batch_index, can_meter(self.root_device))
         return output
 
     def _widen_loop(self, case: PriorGradients) -> None:

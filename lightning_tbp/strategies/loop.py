@@ -134,14 +134,16 @@ class _Open:
 class LoopWatch:
     """Meters whole steps of the loop: the first ``first``, then one in every ``every``.
 
-    One exact region runs from the batch before a metered step (so every block the step frees
-    was allocated under the meter: the last step's gradients, its outputs) to the start of the
-    batch after it; marks split it at each batch start and at the optimizer step, which is where
-    the first step's optimizer state appears (held outside the step, so not counted). What
-    training holds outside the step is read once, where the region opens (its level less the
-    gradients and batch alive then, less the optimizer state); a step is measured above that
-    plus the optimizer state at its start, so anything a step leaves behind (a cache the first
-    step's planning kept) counts in the steps after it."""
+    One exact region runs from the backward of the batch before a metered step (so every block
+    the step frees was allocated under the meter: the last step's gradients) to the start of the
+    batch after it; the first steps' region starts with the first batch. Marks split it at each
+    batch start, at the step's forward (planning before it is measured apart) and at the
+    optimizer step, which is where the first step's optimizer state appears (held outside the
+    step, so not counted). What training holds outside the step is read once per region, at the
+    first metered batch's start (its level less the gradients and batch alive then, less the
+    optimizer state); a step is measured above that plus the optimizer state at its start, so
+    within the first steps' region anything a step leaves behind (a cache the first step's
+    planning kept) counts in the steps after it."""
 
     def __init__(self, device: torch.device, first: int = 3, every: int = 50) -> None:
         self.device, self.first, self.every = device, first, every
@@ -150,6 +152,7 @@ class LoopWatch:
         self._step: _Open | None = None
         self._marks = 0
         self._held_level = 0
+        self._pre_rolled = False
         self.steps: list[LoopStep] = []
 
     def watched(self, index: int) -> bool:
@@ -159,21 +162,33 @@ class LoopWatch:
         """A batch starts with ``alive_bytes`` held for the step (gradients, the batch) and
         ``state_bytes`` of optimizer state; returns the metered step that just ended, if any."""
         ended = self._end_step(state_bytes)
-        opening = self._reading is None and can_meter and (self.watched(index) or self.watched(index + 1))
+        opening = self._reading is None and can_meter and self.watched(index)
         if opening:
-            self._stack = contextlib.ExitStack()
-            self._reading = self._stack.enter_context(allocator_peak(self.device))
-            self._marks = 0
+            self._open()
         if self._reading is None:
             return ended
-        level = self._mark()
-        if opening:  # what training holds besides the optimizer state, for every step of this region
-            self._held_level = level - alive_bytes - state_bytes
-        if self.watched(index):
-            self._step = _Open(index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes)
-        elif not self.watched(index + 1):
+        if not self.watched(index):
             self.stop()
+            return ended
+        level = self._mark()
+        if opening or self._pre_rolled:  # what training holds outside the step, read once per region
+            self._held_level = level - alive_bytes - state_bytes
+            self._pre_rolled = False
+        self._step = _Open(index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes)
         return ended
+
+    def training_step_ended(self, index: int, can_meter: bool) -> None:
+        """The forward of batch ``index`` is over, its backward to come: if the next batch is
+        metered, start here, so the gradients this backward makes are seen when the next step frees
+        them (the meter cannot see the free of a block allocated before it started)."""
+        if self._reading is None and can_meter and self.watched(index + 1):
+            self._open()
+            self._pre_rolled = True
+
+    def _open(self) -> None:
+        self._stack = contextlib.ExitStack()
+        self._reading = self._stack.enter_context(allocator_peak(self.device))
+        self._marks = 0
 
     def validation_started(self, state_bytes: int) -> LoopStep | None:
         """A validation starts inside fit: the step before it ends here (what validation holds is

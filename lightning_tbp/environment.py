@@ -21,7 +21,8 @@ def machine_info() -> dict[str, Any]:
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+        # a copy without its git folder (a lent GPU's working tree) names its commit in the environment
+        commit = os.environ.get("LIGHTNING_TBP_COMMIT", "unknown")
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

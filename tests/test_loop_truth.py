@@ -89,7 +89,7 @@ def _fit(module: L.LightningModule, data: object, strategy: TinyBackpropStrategy
     watch = WholeFit()
     trainer = L.Trainer(
         strategy=strategy,
-        accelerator="cpu",
+        accelerator=trainer_kwargs.pop("accelerator", "cpu"),
         devices=1,
         logger=False,
         enable_checkpointing=False,

@@ -1,0 +1,98 @@
+"""The promises that depend on the device, on CUDA: skipped without a GPU.
+
+``scripts/gpu_check.py`` runs this file first on a lent GPU (``pytest -m cuda``); on CPU every
+test here skips, and the same promises are tested on CPU elsewhere in the suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import TinyBackpropStrategy, rematerialize
+from lightning_tbp.diffusion.data import DigitsDataModule
+from lightning_tbp.memory.meters import allocator_peak
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from test_loop_truth import ZooModule, _assert_the_promise_holds, _fit, _main_job_module
+from zoo_models import ZOO
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+MiB = 1 << 20
+
+
+def test_cuda_regions_nest_and_read_exact_peaks() -> None:
+    device = torch.device("cuda")
+    torch.cuda.synchronize()
+    with allocator_peak(device) as outer:
+        first = torch.empty(4 * MiB, dtype=torch.uint8, device=device)
+        with allocator_peak(device) as inner:
+            second = torch.empty(8 * MiB, dtype=torch.uint8, device=device)
+            del second
+        third = torch.empty(2 * MiB, dtype=torch.uint8, device=device)
+        del first, third
+    assert inner.peak_bytes == 8 * MiB
+    assert outer.peak_bytes == 12 * MiB
+
+
+def test_the_main_jobs_whole_fit_holds_its_budget_on_cuda() -> None:
+    data = DigitsDataModule(image_size=16, batch_size=16)
+    strategy = TinyBackpropStrategy(memory_budget=0.5)
+    run = _fit(_main_job_module(), data, strategy, accelerator="gpu", max_steps=5, limit_val_batches=1)
+    _assert_the_promise_holds(run)
+
+
+@pytest.mark.parametrize("name", ["dit", "sdxl_unet"])
+def test_zoo_whole_fits_hold_their_budget_on_cuda(name: str) -> None:
+    module = ZooModule(name, batch=4)
+    loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=4)
+    run = _fit(module, loader, TinyBackpropStrategy(memory_budget=0.7), accelerator="gpu", max_steps=4)
+    _assert_the_promise_holds(run)
+
+
+def test_a_plan_on_cuda_is_exact_and_holds_its_budget() -> None:
+    case = ZOO["sd3"].case(batch=2, device="cuda")
+    case.step()
+    reference = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    plan = rematerialize(case.model, *case.args, memory_budget=0.5, **case.kwargs)
+    verdict = plan.verify(case.step)
+    assert verdict.within_budget, verdict
+    assert abs(verdict.ratio - 1) <= 0.05, verdict
+    for name, parameter in case.model.named_parameters():
+        if name in reference:
+            scale = reference[name].abs().max().clamp_min(1e-6)
+            assert float((parameter.grad - reference[name]).abs().max() / scale) < 1e-4, name
+    plan.remove()
+
+
+def test_auto_budget_is_the_free_device_memory() -> None:
+    case = ZOO["dit"].case(batch=2, device="cuda")
+    free, _ = torch.cuda.mem_get_info()
+    plan = rematerialize(case.model, *case.args, memory_budget="auto", **case.kwargs)
+    budget = plan.current.budget_bytes
+    plan.remove()
+    assert 0 < budget <= free
+
+
+def test_the_triton_flash_kernel_compiled_on_cuda() -> None:
+    pytest.importorskip("triton")
+    script = Path(__file__).parent / "scripts" / "flash_kernel_interpreted.py"
+    completed = subprocess.run([sys.executable, str(script), "cuda"], capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stdout + completed.stderr[-2000:]
+
+
+def test_tbp_estimate_matches_a_whole_fit_on_cuda(tmp_path: Path) -> None:
+    from estimate_check import CASES, check
+
+    row = check(next(c for c in CASES if c.name == "ddpm_unet_tiny"), "cuda", steps=3, scratch=tmp_path)
+    assert row["estimate_device"] == "cuda"
+    assert abs(float(row["estimated_vs_measured"]) - 1) <= 0.05, row  # type: ignore[arg-type]

@@ -14,15 +14,15 @@ def machine_info() -> dict[str, Any]:
     """Platform, core count, Python/torch/CUDA versions, GPU name, and the current git commit.
 
     The commit is that of the working directory's repository ("unknown" outside one), so a
-    figure can be traced to the code that made it.
+    figure can be traced to the code that made it; ``LIGHTNING_TBP_COMMIT`` overrides it (a copy
+    of the working tree on a lent GPU carries a stale git folder).
     """
     try:
-        commit = subprocess.run(
+        commit = os.environ.get("LIGHTNING_TBP_COMMIT") or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        # a copy without its git folder (a lent GPU's working tree) names its commit in the environment
-        commit = os.environ.get("LIGHTNING_TBP_COMMIT", "unknown")
+        commit = "unknown"
     info = {
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),

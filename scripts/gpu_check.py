@@ -74,7 +74,7 @@ PARTS: list[Part] = [
             "--out", "{out}",
         ),
         smoke=_bench(
-            "unet_mem_bench.py", "--profile", "small", "--device", "cpu", "--trials", "1", "--warmup", "0",
+            "unet_mem_bench.py", "--profile", "small", "--device", "cpu", "--trials", "1", "--warmup", "1",
             "--modes", "naive", "tbp:0.6", "--out", "{out}",
         ),
     ),

@@ -5,10 +5,12 @@ so what differs on the target device is modelled here, and nothing else:
 
 * **Allocator rounding.** CUDA's caching allocator hands out blocks in multiples of 512 bytes;
   ``torch.cuda.max_memory_allocated`` counts the rounded sizes.
-* **Library workspace.** cuBLAS keeps one workspace per stream, allocated through the caching
-  allocator on the first matmul and kept: torch's default ``CUBLAS_WORKSPACE_CONFIG`` gives
-  ``:4096:8`` (32 MiB) on Hopper-class GPUs, which is what this constant assumes; on older GPUs
-  it is smaller, so the estimate errs high by up to ~24 MiB there. cuDNN's convolution
+* **Library workspace.** cuBLAS keeps a workspace per thread that runs matmuls, allocated
+  through the caching allocator on its first matmul and kept; a training step has two such
+  threads (the caller's forward, autograd's backward). Measured on an H100 with torch 2.11:
+  33 MiB each, 66 MiB held after a fresh process's first step
+  (``docs/benchmarks/gpu_h100/peak_breakdown.json``); on older GPUs torch's default
+  ``CUBLAS_WORKSPACE_CONFIG`` is smaller, so the estimate errs high there. cuDNN's convolution
   workspaces are transient and algorithm-dependent: not modelled (see docs/estimate.md).
 * **Kernel workspaces.** What a kernel allocates beyond its outputs depends on the kernel the
   machine picks: on a CPU without native bf16 a bf16 convolution takes im2col's slow path,
@@ -65,7 +67,7 @@ class DeviceModel:
 
 #: An H100-class GPU at typical achieved rates (dense bf16 matmuls ~400 TFLOP/s, ~2.5 TB/s).
 CUDA = DeviceModel(
-    "cuda", 400e12, 2.5e12, allocation_rounding=512, library_workspace_bytes=32 * 1024**2, foreach_optimizers=True
+    "cuda", 400e12, 2.5e12, allocation_rounding=512, library_workspace_bytes=2 * 33 * 1024**2, foreach_optimizers=True
 )
 #: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use.
 CPU = DeviceModel("cpu", 100e9, 10e9, measures_workspaces=True)

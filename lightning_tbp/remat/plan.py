@@ -30,6 +30,7 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.held import HeldMemory
+from lightning_tbp.memory.libraries import warm_library_workspaces
 from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
@@ -148,6 +149,7 @@ class Plan:
                 (args, kwargs) if self.batch_ceiling is None else expand_batch(args, kwargs, self.batch_ceiling)
             )
             signature = input_signature(plan_args, plan_kwargs)
+            warm_library_workspaces(_device_of(self.module, args, kwargs))  # held from now on, not a step's
             try:
                 shape_plan = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
             finally:

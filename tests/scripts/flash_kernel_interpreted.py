@@ -12,10 +12,10 @@ DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 if DEVICE == "cpu":
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch
+import torch  # noqa: E402  (after TRITON_INTERPRET)
 
-from lightning_tbp.privacy.kernels.flash_norm import triton_flash_norm_sq
-from lightning_tbp.privacy.layers import outer
+from lightning_tbp.privacy.kernels.flash_norm import triton_flash_norm_sq  # noqa: E402
+from lightning_tbp.privacy.layers import outer  # noqa: E402
 
 torch.manual_seed(0)
 worst = 0.0

@@ -1,0 +1,37 @@
+"""The CUDA math libraries' workspaces, made before anything on the device is measured.
+
+cuBLAS gives every thread that runs matmuls a handle with its own workspace, allocated through
+the caching allocator on the thread's first matmul and kept for the life of the process. A
+training step runs matmuls on two threads: the caller's (the forward) and autograd's device
+thread (the backward). On an H100 with torch 2.11 that was 33 MiB per thread, 66 MiB in all
+(``docs/benchmarks/gpu_h100/peak_breakdown.json``). Made inside a planned or metered step, they
+count as the step's own bytes although they are never freed: the first measured step of a tiny
+model on CUDA read 1.6x its prediction. Made here, before planning, they are held bytes, like
+the parameters.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_WARMED: set[torch.device] = set()
+
+
+def warm_library_workspaces(device: torch.device) -> None:
+    """Run a small forward and backward of a linear layer on ``device`` in float32 and bfloat16
+    (cuBLAS and cuBLASLt paths, on the caller's thread and autograd's), once per device. Off CUDA
+    it does nothing: CPU kernels keep no workspace between calls."""
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device in _WARMED:
+        return
+    with torch.enable_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+            bias = torch.zeros(16, device=device, dtype=dtype, requires_grad=True)
+            F.linear(weight, weight, bias).float().sum().backward()
+    torch.cuda.synchronize(device)
+    _WARMED.add(device)

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from estimate_check import CASES, ROOT, WHOLE_FIT, image_folder
 
+from lightning_tbp.compat import cuda_memory_snapshot, record_cuda_memory_history, stop_cuda_memory_history
 from lightning_tbp.environment import machine_info
 from lightning_tbp.estimate.config import estimate_config
 
@@ -75,11 +76,11 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-            torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+            record_cuda_memory_history(1_000_000, python_stacks_only=True)
             cli = run_lightning_cli(fit_args, run=False)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-            snapshot = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
+            snapshot = cuda_memory_snapshot()
+            stop_cuda_memory_history()
             peak, places = alive_at_peak(snapshot)
             rows[case.name] = {
                 "max_memory_allocated": torch.cuda.max_memory_allocated(),

@@ -160,6 +160,29 @@ def fake_module_support() -> Iterator[None]:
         del FakeTensor.__deepcopy__
 
 
+def record_cuda_memory_history(max_entries: int, python_stacks_only: bool = False) -> None:
+    """Start recording CUDA allocations with their stacks (``torch.cuda.memory``'s history, which
+    torch documents for its memory visualiser but keeps private). ``python_stacks_only``: Python
+    frames without C++ ones (cheaper to record and to read back)."""
+    stacks = "python" if python_stacks_only else "all"
+    torch.cuda.memory._record_memory_history(max_entries=max_entries, stacks=stacks)
+
+
+def stop_cuda_memory_history() -> None:
+    torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def cuda_memory_snapshot() -> dict[str, Any]:
+    """The recorded history and the allocator's segments, as a dict (``device_traces``: per device
+    the events in order, each with ``action``, ``addr``, ``size`` and ``frames``)."""
+    return torch.cuda.memory._snapshot()
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """:func:`cuda_memory_snapshot` pickled to ``path``, for pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
 def profiler_enabled() -> bool:
     """Whether any torch profiler session is running in this process (torch has no public query;
     the exact CPU meter cannot start a session beside another)."""

@@ -7,6 +7,7 @@ a DP step.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,23 @@ def test_lightning_says_when_it_skips_a_batchs_backward() -> None:
     assert compat.lightning_skips_backward(trainer) is False
     trainer.fit_loop._skip_backward = True
     assert compat.lightning_skips_backward(trainer) is True
+
+
+def test_cuda_memory_history_functions_exist_and_record_on_a_gpu(tmp_path: Path) -> None:
+    """The memory callback's history and OOM dump, and peak_breakdown.py, use these; on CPU only
+    their presence can be checked (the GPU check runs this file on CUDA)."""
+    names = ("_record_memory_history", "_snapshot", "_dump_snapshot")
+    assert all(callable(getattr(torch.cuda.memory, name, None)) for name in names)
+    if not torch.cuda.is_available():
+        return
+    compat.record_cuda_memory_history(1000, python_stacks_only=True)
+    try:
+        block = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        snapshot = compat.cuda_memory_snapshot()
+        compat.dump_cuda_memory_snapshot(str(tmp_path / "history.pickle"))
+        del block
+    finally:
+        compat.stop_cuda_memory_history()
+    events = [e for trace in snapshot["device_traces"] for e in trace]
+    assert any(e["action"] == "alloc" and e["size"] == 1 << 20 for e in events)
+    assert (tmp_path / "history.pickle").stat().st_size > 0

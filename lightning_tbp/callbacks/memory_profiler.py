@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_tbp.callbacks.strategy_info import MemoryReportingStrategy
+from lightning_tbp.compat import dump_cuda_memory_snapshot, record_cuda_memory_history, stop_cuda_memory_history
 from lightning_tbp.memory.breakdown import Breakdown, split_untracked, tensor_bytes
 from lightning_tbp.memory.record import Snapshot, build_run_record, format_stage_table, write_run_record
 from lightning_tbp.memory.stages import StageMeter, stage_meter_for
@@ -136,7 +137,7 @@ class MemoryProfilerCallback(Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_started = time.perf_counter()
         if self.record_history and self._device.type == "cuda":
-            torch.cuda.memory._record_memory_history(max_entries=self.history_max_entries)
+            record_cuda_memory_history(self.history_max_entries)
             self._history_on = True
 
     # -- the four stages of a batch -----------------------------------------------------------
@@ -284,7 +285,7 @@ class MemoryProfilerCallback(Callback):
         self._sampling = False
         if isinstance(exception, torch.OutOfMemoryError) and self._device.type == "cuda" and self._ready:
             path = self.output_dir / f"oom_snapshot_rank{trainer.global_rank}.pickle"
-            torch.cuda.memory._dump_snapshot(str(path))
+            dump_cuda_memory_snapshot(str(path))
             print(f"MemoryProfilerCallback: CUDA out of memory; allocator snapshot written to {path}", flush=True)
         self._stop_history(trainer)
         if self._ready:
@@ -295,8 +296,8 @@ class MemoryProfilerCallback(Callback):
             return
         assert self.output_dir is not None
         path = self.output_dir / f"memory_history_rank{trainer.global_rank}.pickle"
-        torch.cuda.memory._dump_snapshot(str(path))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        dump_cuda_memory_snapshot(str(path))
+        stop_cuda_memory_history()
         self._history_on = False
         rank_zero_info(
             f"MemoryProfilerCallback: CUDA memory history written to {path} (open in pytorch.org/memory_viz)"

@@ -1,4 +1,4 @@
-"""Every private torch API lightning_tbp uses, in one place, each with why and a test.
+"""Every private torch and Lightning API lightning_tbp uses, in one place, each with why and a test.
 
 torch keeps these names out of its public API, so a release may move or change them; when one
 breaks, this module (and ``tests/test_compat.py``, which exercises each) is the only place to fix.
@@ -181,6 +181,14 @@ def cuda_memory_snapshot() -> dict[str, Any]:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """:func:`cuda_memory_snapshot` pickled to ``path``, for pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def make_data_parallel_only(strategy: Any, world_size: int) -> None:
+    """Make Lightning's ``ModelParallelStrategy`` build a data-parallel mesh of ``world_size``
+    (no tensor parallelism): its sizes live in private attributes, and its "auto" would make the
+    processes of a node a tensor-parallel group."""
+    strategy._data_parallel_size = world_size
+    strategy._tensor_parallel_size = 1
 
 
 def profiler_enabled() -> bool:

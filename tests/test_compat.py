@@ -191,3 +191,12 @@ def test_cuda_memory_history_functions_exist_and_record_on_a_gpu(tmp_path: Path)
     events = [e for trace in snapshot["device_traces"] for e in trace]
     assert any(e["action"] == "alloc" and e["size"] == 1 << 20 for e in events)
     assert (tmp_path / "history.pickle").stat().st_size > 0
+
+
+def test_model_parallel_strategy_keeps_its_mesh_sizes_where_compat_sets_them() -> None:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy = ModelParallelStrategy()
+    assert hasattr(strategy, "_data_parallel_size") and hasattr(strategy, "_tensor_parallel_size")
+    compat.make_data_parallel_only(strategy, 4)
+    assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)

@@ -103,8 +103,9 @@ def _usable_handler(module: nn.Module) -> tuple[LayerHandler | None, str]:
         return None, f"{type(module).__name__} has no per-sample handler"
     if torch.nn.utils.parametrize.is_parametrized(module):
         return None, f"{type(module).__name__} is parametrized"
+    registered = dict(module.named_parameters(recurse=False))
     for param_name in handler.param_names:
-        if param_name not in module._parameters and isinstance(getattr(module, param_name, None), Tensor):
+        if param_name not in registered and isinstance(getattr(module, param_name, None), Tensor):
             return None, f"{type(module).__name__}.{param_name} is computed in a hook (weight_norm, spectral_norm)"
     return handler, ""
 

@@ -27,7 +27,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParalle
 from torch import nn
 from typing_extensions import override
 
-from lightning_tbp.compat import flatten_dense_tensors, unflatten_dense_tensors
+from lightning_tbp.compat import flatten_dense_tensors, make_data_parallel_only, unflatten_dense_tensors
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
@@ -123,9 +123,7 @@ class _ShardingModelParallel(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # data parallel only: "auto" would make the processes of a node a tensor-parallel group
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        make_data_parallel_only(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     @override

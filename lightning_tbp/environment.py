@@ -18,9 +18,12 @@ def machine_info() -> dict[str, Any]:
     of the working tree on a lent GPU carries a stale git folder).
     """
     try:
-        commit = os.environ.get("LIGHTNING_TBP_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        ).stdout.strip()
+        commit = (
+            os.environ.get("LIGHTNING_TBP_COMMIT")
+            or subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+        )
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     info = {

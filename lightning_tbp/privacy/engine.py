@@ -754,10 +754,3 @@ def attach(
 ) -> DPEngine:
     """Make ``module`` clip per sample: see ``DPEngine``. Raises before any step for what cannot be clipped."""
     return DPEngine(module, mode, max_grad_norm, noise_multiplier, generator)
-
-
-def expected_noise_std(noise_multiplier: float, max_grad_norm: float, expected_batch_size: float = 1.0) -> float:
-    """Std of the noise on the gradient after dividing the noisy sum by the expected batch size."""
-    if expected_batch_size <= 0 or math.isnan(expected_batch_size):
-        raise ValueError(f"expected_batch_size must be positive, got {expected_batch_size}")
-    return noise_multiplier * max_grad_norm / expected_batch_size

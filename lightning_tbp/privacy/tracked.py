@@ -395,9 +395,6 @@ class RawUse:
             parts.append(torch.func.vmap(vjp_fn)(tuple(m * g.unsqueeze(0) for m, g in zip(masks, grads, strict=True))))
         return {p: torch.cat([part[i] for part in parts]) for i, p in enumerate(self.params)}
 
-    def cost_note(self) -> str:
-        return "row-wise VJP" if self.rowwise else "masked VJP (B products of the op)"
-
 
 class _RawUse(torch.autograd.Function):
     """Identity on a use's outputs; its backward hands their gradients to the engine."""

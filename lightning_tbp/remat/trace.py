@@ -157,12 +157,6 @@ class Trace:
                     edges[key] = edges.get(key, 0) + self.storage_bytes[sid]
         return [(self.nodes[a].path, self.nodes[b].path, size) for (a, b), size in sorted(edges.items())]
 
-    def node_by_path(self, path: str) -> Node:
-        for node in self.nodes:
-            if node.path == path:
-                return node
-        raise KeyError(path)
-
 
 def _tensors(tree: object) -> list[torch.Tensor]:
     leaves, _ = tree_flatten(tree)

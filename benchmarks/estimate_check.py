@@ -87,6 +87,7 @@ def measured_fit_peak(args: list[str], device: str) -> int:
     else:
         cli = run_lightning_cli(args, run=False)
         held = sum(t.numel() * t.element_size() for t in [*cli.model.parameters(), *cli.model.buffers()])
+        gc.collect()  # the meter misreads frees of garbage made before its region
         with allocator_peak() as whole:
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         peak = held + whole.peak_bytes
@@ -97,13 +98,20 @@ def measured_fit_peak(args: list[str], device: str) -> int:
     return peak
 
 
-def check(case: ConfigCase, device: str, steps: int, scratch: Path) -> dict[str, object]:
+def fit_args(case: ConfigCase, device: str, steps: int, scratch: Path) -> list[str]:
+    """LightningCLI arguments of a short whole fit of ``case`` on ``device`` (an image folder made
+    in ``scratch`` where the config reads one)."""
     accelerator = "gpu" if device == "cuda" else "cpu"
     args = ["-c", str(ROOT / "configs" / case.config), *WHOLE_FIT, *case.overrides]
     args += [f"--trainer.max_steps={steps}", f"--trainer.accelerator={accelerator}", "--trainer.devices=1"]
     if case.image_folder:
-        root = image_folder(scratch / case.name, case.image_folder, count=4 * 64)
+        root = image_folder(scratch / case.name, case.image_folder, count=(steps + 1) * 64)
         args.append(f"--data.init_args.root={root}")
+    return args
+
+
+def check(case: ConfigCase, device: str, steps: int, scratch: Path) -> dict[str, object]:
+    args = fit_args(case, device, steps, scratch)
     started = time.perf_counter()
     estimate = estimate_config(args, minimum=False)
     estimate_seconds = time.perf_counter() - started

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from estimate_check import CASES, ROOT, WHOLE_FIT, image_folder
+from estimate_check import CASES, fit_args
 
 from lightning_tbp.compat import cuda_memory_snapshot, record_cuda_memory_history, stop_cuda_memory_history
 from lightning_tbp.environment import machine_info
@@ -67,17 +67,13 @@ def main() -> None:
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
         for case in (c for c in CASES if c.name in args.only):
-            fit_args = ["-c", str(ROOT / "configs" / case.config), *WHOLE_FIT, *case.overrides]
-            fit_args += [f"--trainer.max_steps={args.steps}", "--trainer.accelerator=gpu", "--trainer.devices=1"]
-            if case.image_folder:
-                root = image_folder(Path(scratch) / case.name, case.image_folder, count=3 * 64)
-                fit_args.append(f"--data.init_args.root={root}")
-            estimate = estimate_config(fit_args, minimum=False)
+            arguments = fit_args(case, "cuda", args.steps, Path(scratch))
+            estimate = estimate_config(arguments, minimum=False)
             gc.collect()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             record_cuda_memory_history(1_000_000, python_stacks_only=True)
-            cli = run_lightning_cli(fit_args, run=False)
+            cli = run_lightning_cli(arguments, run=False)
             cli.trainer.fit(cli.model, datamodule=cli.datamodule)
             snapshot = cuda_memory_snapshot()
             stop_cuda_memory_history()

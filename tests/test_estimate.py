@@ -8,7 +8,6 @@ for a device size by running that plan.
 
 from __future__ import annotations
 
-import gc
 import json
 import resource
 import sys
@@ -302,20 +301,14 @@ def test_the_main_job_config_is_estimated_within_five_percent_of_its_whole_fit(s
     the last step's gradients are alive in every later forward (the estimate missed them: 0.94);
     under tiny_backprop they are freed before it. The estimate models the config's accelerator,
     the CPU, on its own; the unplanned step is estimated, so the fit runs without a plan."""
-    from lightning_tbp.cli import run_lightning_cli
-    from lightning_tbp.memory.meters import allocator_peak
+    from estimate_check import measured_fit_peak
 
     config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
     chosen = ["--trainer.strategy=auto"] if strategy == "auto" else ["--trainer.strategy.init_args.memory_budget=null"]
     args = ["-c", config, *_WHOLE_FIT, *chosen]
     estimate = estimate_config(args, minimum=False)
     assert estimate.device == "cpu"
-    cli = run_lightning_cli(args, run=False)
-    held = sum(t.numel() * t.element_size() for t in [*cli.model.parameters(), *cli.model.buffers()])
-    gc.collect()
-    with allocator_peak() as whole:
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    measured = held + whole.peak_bytes
+    measured = measured_fit_peak(args, "cpu")
     assert abs(estimate.naive_peak_bytes / measured - 1) <= TOLERANCE, (estimate.naive_peak_bytes, measured)
 
 

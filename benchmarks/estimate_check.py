@@ -73,7 +73,7 @@ def image_folder(root: Path, side: int, count: int) -> Path:
 
 def measured_fit_peak(args: list[str], device: str) -> int:
     """Device peak of the whole fit of ``args``, held tensors included."""
-    from lightning_tbp.cli import run_lightning_cli
+    from lightning_tbp.lightning_cli import run_lightning_cli
     from lightning_tbp.memory.meters import allocator_peak
 
     gc.collect()

@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    from lightning_tbp.cli import run_lightning_cli
+    from lightning_tbp.lightning_cli import run_lightning_cli
 
     rows: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:

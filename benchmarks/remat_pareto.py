@@ -37,7 +37,7 @@ from methods import compile_with_budget, reset_compile_budget
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.apply import InstalledWrappers
-from lightning_tbp.remat.simulate import Option
+from lightning_tbp.remat.options import Option
 
 TBP_BUDGETS = (0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35)
 COMPILE_BUDGETS = (1.0, 0.5, 0.1)

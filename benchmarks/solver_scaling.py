@@ -72,7 +72,7 @@ def measure(name: str, model: nn.Module, args: tuple, kwargs: dict) -> dict:
         "ops": trace.num_events,
         "trace_seconds": trace_seconds,
         "solve_seconds": solution.solve_seconds,
-        "replays": solution.replays,
+        "replays": solution.simulations,
         "predicted_peak_ratio": solution.result.peak_bytes / naive.peak_bytes,
     }
     print(json.dumps(row), flush=True)

@@ -16,14 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-import lightning as L
-from lightning.pytorch.cli import LightningCLI
-
-import lightning_tbp  # noqa: F401  (registers the strategies; makes the callbacks resolvable by name)
+from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.memory.report import compare_runs
 
 
@@ -86,27 +82,6 @@ def _estimate(argv: Sequence[str]) -> int:
         args.json.write_text(json.dumps(estimate_dict(estimate), indent=2))
         print(f"written: {args.json}")
     return 0
-
-
-def run_lightning_cli(argv: Sequence[str] | None = None, *, run: bool = True) -> LightningCLI:
-    """Lightning's CLI in subclass mode: the config names the module and data classes.
-
-    ``argv=None`` reads ``sys.argv`` (the console script); a list runs from Python (tests).
-    ``run=False``: build the Trainer, module and datamodule from the config (no subcommand) and stop.
-    """
-    with warnings.catch_warnings():
-        # ``tbp estimate ARGS`` hands LightningCLI the words after its own subcommand, which
-        # ``sys.argv`` also holds: Lightning's warning against giving both does not apply.
-        warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python.*")
-        return LightningCLI(
-            L.LightningModule,
-            L.LightningDataModule,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            args=None if argv is None else list(argv),
-            save_config_kwargs={"overwrite": True},
-            run=run,
-        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

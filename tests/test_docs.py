@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_tbp.cli import run_lightning_cli
+from lightning_tbp.lightning_cli import run_lightning_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "configs" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -11,9 +11,9 @@ from dp_reference import clipped_at_median, per_sample_grads
 from models import tiny_cond_unet
 from test_recipes import CONFIGS, TINY_DIT, TINY_UNET, write_images
 
-from lightning_tbp.cli import run_lightning_cli
 from lightning_tbp.diffusion import LoraOptions, add_lora, load_lora
 from lightning_tbp.diffusion.lora import WEIGHT_NAME
+from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.privacy import attach
 
 

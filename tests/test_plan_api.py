@@ -316,7 +316,7 @@ def test_block_calibration_rounds_fill_their_time(monkeypatch, fill_ns: int, rou
     more, up to the most, while its rounds have not yet taken ``ROUNDS_FILL_NS``: one warm-up
     step, then per round a plain step and one per option."""
     from lightning_tbp.remat import calibrate_blocks
-    from lightning_tbp.remat.simulate import Option
+    from lightning_tbp.remat.options import Option
 
     monkeypatch.setattr(calibrate_blocks, "ROUNDS_FILL_NS", fill_ns)
     assert calibrate_blocks.ROUNDS == (3, 12)

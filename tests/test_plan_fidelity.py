@@ -48,7 +48,8 @@ def _predicted_and_measured(model, x: torch.Tensor, planned: dict, step) -> tupl
     """The replay's peak for the blocks ``planned`` (path -> option, the rest kept) under the step
     model of ``model`` and the assumed loss, and ``step``'s metered peak with those blocks wrapped."""
     from lightning_tbp.remat.apply import InstalledWrappers
-    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.step import step_model_for
     from lightning_tbp.remat.trace import record_trace
 
@@ -183,7 +184,7 @@ def test_lazy_blocks_over_views_and_in_place_writes_are_predicted(block: str, dp
     1.8% low. Lazy blocks now add no error of their own to the prediction: the step with every
     block lazy is off by what the step without a plan is off by (the replay keeps the module's
     output through the backward, which this step frees: one output too many, on the safe side)."""
-    from lightning_tbp.remat.simulate import Option
+    from lightning_tbp.remat.options import Option
 
     torch.manual_seed(0)
     kind = ChunkedGate if block == "chunks" else WritesAndViews
@@ -235,7 +236,7 @@ def test_blocks_over_tracked_uses_are_predicted_under_dp(mode: str, option: str)
     1.50x (lazy) and 1.11x (full). Bookkeeping's book also scales each use's output gradient
     before its sum (a copy), which the replay of a full block, receiving it scaled, does not
     make: counted for booked entries only (0.93x with it counted in both)."""
-    from lightning_tbp.remat.simulate import Option
+    from lightning_tbp.remat.options import Option
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(_TemporalStage(16) for _ in range(4)), torch.nn.Conv3d(16, 2, 1))
@@ -357,7 +358,8 @@ def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
     a plan the zoo drew once at 2.5x the usual cost) cannot be pruned into a finer plan, since
     pruning only undoes or softens; refining splits each coarse decision into its child blocks and
     prunes those, so at a budget the coarse plan fits with room, the result fits and costs less."""
-    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import Solver
     from lightning_tbp.remat.trace import record_trace
 
@@ -366,7 +368,7 @@ def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
     paths = {node.path: node.index for node in solver.nodes}
     coarse = [Option.KEEP] * len(solver.nodes)
     coarse[paths["encoder"]], coarse[paths["decoder"]] = Option.FULL, Option.LAZY
-    result = solver.replay(coarse)
+    result = solver.simulate(coarse)
     budget = (result.peak_bytes + solver.naive().peak_bytes) // 2
     options, refined = solver.refine(coarse, result, budget)
     assert refined.peak_bytes <= budget
@@ -430,7 +432,8 @@ def test_a_descent_from_the_plain_model_crosses_plateaus_of_the_peak() -> None:
     it was, the descent then turned a block lazy, full, lazy... until its stall limit and stopped
     at 0.37 of naive, and the plan came from the other starts, up to 2.5x costlier (measured op
     times)."""
-    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import Solver
 
     solver = Solver(Simulator(_trace_priced_by_flops("vae")))
@@ -452,7 +455,8 @@ def test_no_planned_block_has_a_cheaper_option_that_fits(name: str) -> None:
     on these models (a selective block 2.4x its estimate, full 1.5x) make full checkpoints
     cheaper than selective ones on some blocks, which pruning (it only undoes or softens)
     could not see: plans 2-8% dearer than one such change."""
-    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
 
     scale = {Option.FULL: 1.5, Option.SELECTIVE: 2.4, Option.LAZY: 2.0}
@@ -469,7 +473,7 @@ def test_no_planned_block_has_a_cheaper_option_that_fits(name: str) -> None:
                 other[index] = option
                 if option in (Option.SELECTIVE, Option.LAZY) and solver.subtree_planned(index, other):
                     continue
-                trial = solver.replay_within(other, target)
+                trial = solver.simulate_within(other, target)
                 cheaper = trial is not None and trial.recompute_cost < solution.result.recompute_cost * (1 - 1e-9)
                 assert not cheaper, (fraction, solver.nodes[index].path, options[index], option)
 
@@ -480,7 +484,7 @@ def test_blocks_are_calibrated_on_inputs_the_profiles_timed_forward_kept() -> No
     without a forward of the whole model, and it lets the inputs go when it is done."""
     from lightning_tbp.compat import tree_flatten
     from lightning_tbp.remat.calibrate_blocks import BlockInputs, calibrate
-    from lightning_tbp.remat.simulate import Option
+    from lightning_tbp.remat.options import Option
     from lightning_tbp.remat.trace import record_trace
 
     case = ZOO["unet2d"].case(batch=2)
@@ -728,15 +732,17 @@ class _DeadBranch(torch.nn.Module):
 def test_a_dead_branch_is_freed_in_the_forward_and_never_backpropagated() -> None:
     """Autograd frees what a branch no output uses saved when its outputs die, and never runs its
     backward: the prediction follows (it ran 11% high on a Flux whose last text stream is dead)."""
-    from lightning_tbp.remat.simulate import Option, Simulator, dead_branches
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.trace_facts import dead_branches
 
     torch.manual_seed(0)
     model, x, target = _DeadBranch(), torch.randn(256, 64), torch.randn(256, 64)
     trace = record_trace(model, (x,), {})
     dead, release_at = dead_branches(trace)
-    dead_ops = sorted(trace.event_op[e].split(".")[0] for e, is_dead in enumerate(dead) if is_dead)
-    live_ops = [trace.event_op[e].split(".")[0] for e, is_dead in enumerate(dead) if not is_dead]
+    dead_ops = sorted(trace.event_traits[e].name.split(".")[0] for e, is_dead in enumerate(dead) if is_dead)
+    live_ops = [trace.event_traits[e].name.split(".")[0] for e, is_dead in enumerate(dead) if not is_dead]
     assert "exp" in dead_ops and dead_ops.count("addmm") == 1 and live_ops.count("addmm") == 3, dead_ops
     assert "tanh" in live_ops and "mul" in live_ops  # the in-place fold keeps its branch live
     assert sum(len(events) for events in release_at.values()) == sum(dead)  # all freed in the forward
@@ -780,7 +786,8 @@ def test_nested_checkpoints_rng_stashes_are_predicted(planned: tuple[str, ...]) 
     it returns (the replay once released the original there and stashed anew when the block's
     own recompute ran: one stash too many at the peak, 5% of a one-block Flux)."""
     from lightning_tbp.remat.apply import InstalledWrappers
-    from lightning_tbp.remat.simulate import Option, Simulator
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.trace import record_trace
 
     torch.manual_seed(0)

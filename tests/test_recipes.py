@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from PIL import Image
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from lightning_tbp.cli import run_lightning_cli
 from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule, load_lora
 from lightning_tbp.diffusion.models import build_model
+from lightning_tbp.lightning_cli import run_lightning_cli
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_UNET = {

@@ -19,6 +19,7 @@ from lightning_tbp.estimate.device import DeviceModel
 from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
+from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.remat.step import PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
@@ -69,7 +70,6 @@ def estimate_config(
 
     ``device``: the device modelled; by default the config's ``trainer.accelerator`` says
     (:func:`device_of`)."""
-    from lightning_tbp.cli import run_lightning_cli  # the CLI module imports this one
 
     def build() -> TrainingStep:
         cli = run_lightning_cli(args, run=False)

@@ -58,7 +58,7 @@ class DeviceModel:
             forward = max(trace.event_flops[event] / self.flops_per_second, moved / self.bytes_per_second) * 1e9
             trace.event_cost[event] = forward
             # a backward computes the gradients of the inputs (and of the weights for heavy ops)
-            trace.event_backward_cost[event] = (2.0 if trace.event_heavy[event] else 1.0) * forward
+            trace.event_backward_cost[event] = (2.0 if trace.event_traits[event].heavy else 1.0) * forward
 
     def round_storages(self, trace: Trace) -> None:
         """Storage sizes as the device's allocator counts them."""

@@ -10,7 +10,7 @@ data, so a model of any size costs this machine almost nothing. Then:
 2. A second step runs under :class:`~lightning_tbp.estimate.live_bytes.LiveBytes`: the eager
    step's peak, its forward and backward apart from its optimizer step (the optimizer's
    temporaries sit on top of every gradient).
-3. The planner's simulator replays the target's trace: the naive peak it predicts and, for a
+3. The planner's simulator runs the target's trace: the naive peak it predicts and, for a
    device size, the cheapest plan that fits. Everything around the target (noise, loss, the
    batch) is what the metered step peaked at beyond the simulated target, and is added as is.
 
@@ -39,7 +39,8 @@ from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import state_tensors
-from lightning_tbp.remat.simulate import Option, Simulator
+from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace

@@ -53,18 +53,12 @@ from lightning_tbp.privacy.coverage import (
 )
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
+from lightning_tbp.privacy.step_model import DPStepModel, TapNote, dp_step_model
 from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
 from lightning_tbp.remat.calibrate import TensorSpec, best_ns, first_run
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.signature import batch_size_of
-from lightning_tbp.remat.step import (
-    BackwardPass,
-    StepModel,
-    TapNote,
-    note_tap,
-    profiling_taps,
-    register_step_model,
-)
+from lightning_tbp.remat.step import note_layer, profiling_notes, register_step_model
 
 log = logging.getLogger("lightning_tbp")
 
@@ -212,7 +206,7 @@ class DPEngine:
         try:
             output, saved = slot.handler.forward(slot.module, x)
             tapped = _Tap.apply(slot, self.anchor, output, *saved)
-            if not profiling_taps():
+            if not profiling_notes():
                 return tapped
             batch = self._samples_in(x.shape[0])
             # the estimate (kept under a running CPU profiler) prices the rows the step runs, from
@@ -232,11 +226,19 @@ class DPEngine:
         parameter_bytes = sum(p.numel() * p.element_size() for p in slot.params.values())
         per_sample = batch * sum(p.numel() * 4 for p in slot.params.values())
         layouts = tuple(TensorSpec.of(t) for t in (output, *saved))
-        note = TapNote(saved, tapped, norm_bytes, sum_bytes, parameter_bytes, id(slot), per_sample)
+        note = TapNote(
+            saved,
+            tapped,
+            norm_bytes=norm_bytes,
+            sum_bytes=sum_bytes,
+            parameter_bytes=parameter_bytes,
+            layer=id(slot),
+            per_sample_bytes=per_sample,
+        )
         params = tuple((name, tuple(p.shape), p.dtype) for name, p in slot.params.items())
         note.meter = functools.partial(self._meter_tap, slot, layouts, batch)
         note.meter_key = (*config, params, layouts, batch)
-        note_tap(note)
+        note_layer(note)
         return tapped
 
     def _meter_tap(
@@ -297,14 +299,9 @@ class DPEngine:
 
         return _metered(norms, summed, grads, grads_out[0].device)
 
-    def step_model(self) -> StepModel:
+    def step_model(self) -> DPStepModel:
         """The backward passes of a step under this engine, for the rematerialization planner."""
-        probe = BackwardPass(retains_graph=True, parameter_gradients=False)
-        if STEP_PASSES[self.mode] == 2:
-            norms = BackwardPass(retains_graph=True, parameter_gradients=False, tap_transient="norm")
-            return StepModel((probe, norms, BackwardPass(tap_transient="sum")), name=f"dp:{self.mode}")
-        book = BackwardPass(parameter_gradients=False, books_taps=True, tap_transient="norm", replays_checkpoints=True)
-        return StepModel((probe, book), name=f"dp:{self.mode}")
+        return dp_step_model(STEP_PASSES[self.mode] == 2, self.mode)
 
     def tracks(self, param: nn.Parameter) -> bool:
         """Whether reading ``param`` as a module attribute now yields a tracked tensor."""

@@ -41,8 +41,9 @@ from typing_extensions import override
 
 from lightning_tbp.compat import make_leaf_subclass, tree_flatten, tree_map
 from lightning_tbp.privacy.errors import CoverageError
+from lightning_tbp.privacy.step_model import TapNote
 from lightning_tbp.remat.replay import recorded_call, replayed
-from lightning_tbp.remat.step import TapNote, note_tap, profiling_taps
+from lightning_tbp.remat.step import note_layer, profiling_notes
 
 #: Ops whose output row i depends only on row i of each batched input (dim 0 kept): their
 #: per-sample VJPs are computed one row at a time (cost ~ one VJP of the op). Others are masked.
@@ -293,10 +294,17 @@ def _use(func: Any, args: tuple, kwargs: dict, tracked: list[TrackedTensor], own
     masked = 0 if use.rowwise else min(MASKED_CHUNK_BYTES, batch * first.numel() * 4)
     per_sample = 2 * batch * parameter_bytes + masked
     output_bytes = sum(t.numel() * t.element_size() for t in tapped)
-    note = TapNote(tuple(saved), first, per_sample, output_bytes, parameter_bytes, book_copy_bytes=output_bytes)
-    if profiling_taps():  # the formulas above stand only where the meter cannot run
+    note = TapNote(
+        tuple(saved),
+        first,
+        norm_bytes=per_sample,
+        sum_bytes=output_bytes,
+        parameter_bytes=parameter_bytes,
+        book_copy_bytes=output_bytes,
+    )
+    if profiling_notes():  # the formulas above stand only where the meter cannot run
         note.meter, note.meter_key = owner.use_meter(use, tapped, tuple(saved))
-    note_tap(note)
+    note_layer(note)
     if not use.tuple_output:
         return tapped[0]
     result = list(outputs)

@@ -19,18 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import flop_registry
 
-from lightning_tbp.compat import OpOverload, op_packet, tree_flatten, tree_unflatten
-from lightning_tbp.remat.flops import FLOP_FORMULAS
+from lightning_tbp.compat import OpOverload, tree_flatten, tree_unflatten
 from lightning_tbp.remat.lazy import lazy_recompute
+from lightning_tbp.remat.ops import traits_of
+from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.replay import CheckpointedCall, inside_planned_block, recorder_for, recording, watch_outputs
-from lightning_tbp.remat.simulate import Option
-
-
-def is_heavy(op: OpOverload) -> bool:
-    """Ops the planner treats as expensive (matmul, convolution, attention): those with a FLOP formula."""
-    return op_packet(op) in _HEAVY_PACKETS
 
 
 class _CacheFirstHeavyOps:
@@ -47,14 +41,11 @@ class _CacheFirstHeavyOps:
         self.seen = 0
 
     def __call__(self, ctx: Any, op: OpOverload, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if is_heavy(op):
+        if traits_of(op).heavy:
             self.seen += 1
             if self.seen <= self.limit:
                 return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_HEAVY_PACKETS = set(flop_registry) | set(FLOP_FORMULAS)
 
 
 def _checkpointed_forward(

@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from lightning_tbp.compat import op_schema, tree_flatten, tree_map, unset_fake_temporarily
+from lightning_tbp.compat import tree_flatten, tree_map, unset_fake_temporarily
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, garbage_collection_held
+from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.overheads import timed_ns
 
 
@@ -133,7 +134,7 @@ class OpCalibrator:
         self._event_outputs[event] = tuple(outputs)
         if workspace:
             self._workspace_keys.add(key)
-        if not _is_view(func) and not _is_communication(func):
+        if not traits_of(func).view and not _is_communication(func):
             self._timed_keys.add(key)
 
     def measure(
@@ -211,12 +212,6 @@ _TIMING_RUNS = 2
 #: profile cost more than its training step (an SD-1.5 U-Net at 512x512 on a 2-core CPU: op timing
 #: 16 s of a 40 s profile, against a 23 s naive step).
 SINGLE_RUN_NS = 20_000_000
-
-
-def _is_view(func: Any) -> bool:
-    """An op whose outputs alias an input without writing to it (view, transpose, expand, ...)."""
-    returns = op_schema(func).returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
 
 
 def _is_communication(func: Any) -> bool:

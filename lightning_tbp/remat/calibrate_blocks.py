@@ -22,8 +22,9 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten, tree_map
 from lightning_tbp.remat.apply import InstalledWrappers
+from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.overheads import timed_ns
-from lightning_tbp.remat.simulate import Option, Simulator
+from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.trace import Trace, frozen_buffers
 
 #: Block classes calibrated (the commonest first).

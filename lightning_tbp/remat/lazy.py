@@ -1,7 +1,7 @@
 """Lazy recomputation of cheap op chains: the "lazy" block option.
 
 Inside a lazy block, every tensor that autograd saves and that a cheap, deterministic op made
-(a norm, an activation, an add, a copy, a view: ``RECOMPUTABLE``) is stored as a *recipe*: the
+(a norm, an activation, an add, a copy, a view: ``ops.OpTraits.recomputable``) is stored as a *recipe*: the
 op and its inputs, themselves recipes where possible, so a chain ``silu(group_norm(x))`` keeps
 only ``x``. Unpacking (in the backward of the op that saved it) re-runs just that chain. Unlike a
 checkpoint, nothing is recomputed ahead of time and no whole block is rebuilt at once: the
@@ -22,43 +22,12 @@ from typing import Any
 
 import torch
 
-from lightning_tbp.compat import TorchDispatchMode, is_view_op, op_packet, tree_map, version_counter
-
-aten = torch.ops.aten
-
-#: Deterministic ops cheap enough to redo in the backward (no RNG, memory-bound). Every view op
-#: is recomputable as well (``is_recomputable``).
-RECOMPUTABLE = frozenset(
-    {
-        aten.native_group_norm,
-        aten.native_layer_norm,
-        aten.silu,
-        aten.gelu,
-        aten.relu,
-        aten.sigmoid,
-        aten.tanh,
-        aten.add,
-        aten.sub,
-        aten.mul,
-        aten.div,
-        aten.clone,
-        aten._unsafe_view,
-        aten.reshape,
-    }
-)
-
+from lightning_tbp.compat import TorchDispatchMode, tree_map, version_counter
+from lightning_tbp.remat.ops import traits_of
 
 #: Saved tensors smaller than this are kept as they are: rebuilding them would cost a whole op
 #: (a group norm, to recover its per-group statistics) to save a few bytes.
 MIN_LAZY_BYTES = 16 * 1024
-
-
-def is_recomputable(func: Any) -> bool:
-    """Whether a lazy block rebuilds the outputs of ``func``. Views cost nothing to redo, and a
-    saved view of a rebuilt tensor (a chunk of an activation, a detached alias a DP engine saves)
-    must be a recipe too: stored as it is, it holds the whole storage, which the planner, going
-    by storages, counts as rebuilt (a block saving chunks of a SiLU measured 1.32x its plan)."""
-    return is_view_op(func) or op_packet(func) in RECOMPUTABLE
 
 
 class Recipe:
@@ -113,7 +82,7 @@ class _RecipeRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if not is_recomputable(func):
+        if not traits_of(func).recomputable:
             return out
         # Inputs that are recipes themselves are referenced as recipes, so chains keep only leaves.
         rec_args, rec_kwargs = tree_map(

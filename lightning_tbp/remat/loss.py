@@ -28,8 +28,8 @@ def assumed_loss_bytes(outputs: list[TensorSpec]) -> int:
     target = TensorSpec(first.shape, first.stride, torch.float32, first.device).materialise()
     with garbage_collection_held(collect=False), allocator_peak(first.device) as reading:
         squared_error = F.mse_loss(prediction.float(), target, reduction="none")
-        per_sample = squared_error.flatten(1).mean(dim=1) if squared_error.dim() > 1 else squared_error
+        sample_means = squared_error.flatten(1).mean(dim=1) if squared_error.dim() > 1 else squared_error
         del squared_error
-        per_sample.mean().backward()
-        del per_sample
+        sample_means.mean().backward()
+        del sample_means
     return reading.peak_bytes

@@ -36,6 +36,7 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
+from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
 from lightning_tbp.remat.signature import (
@@ -45,7 +46,7 @@ from lightning_tbp.remat.signature import (
     expand_batch,
     input_signature,
 )
-from lightning_tbp.remat.simulate import Option, Simulator
+from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
 from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, step_model_for
 from lightning_tbp.remat.trace import Trace, record_trace

@@ -15,8 +15,9 @@ import torch
 
 from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.remat.simulate import Option, SimResult, Simulator
+from lightning_tbp.remat.simulate import SimResult, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
 from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, PriorGradients
 from lightning_tbp.remat.trace import Trace
@@ -236,16 +237,16 @@ def describe_held(held: HeldMemory) -> str:
 def _kept_by_block(simulator: Simulator, options: list[Option]) -> dict[int, int]:
     """Bytes held at the end of the forward, each storage charged to its first holder's block."""
     trace = simulator.trace
-    snapshot = simulator.snapshot(options, trace.num_events - 1)
+    holdings = simulator.holdings_at(options, trace.num_events - 1)
     kept: dict[int, int] = {}
     charged: set[int] = set()
-    holds = [(trace.event_node[e], sids) for e, sids in snapshot.event_holds.items()]
-    holds += list(snapshot.node_holds.items())
+    holds = [(trace.event_node[e], sids) for e, sids in holdings.event_holds.items()]
+    holds += list(holdings.node_holds.items())
     for node, sids in holds:
         for sid in sids:
             if sid not in charged:
                 charged.add(sid)
-                kept[node] = kept.get(node, 0) + snapshot.sizes.get(sid, 0)
+                kept[node] = kept.get(node, 0) + holdings.sizes.get(sid, 0)
     return kept
 
 
@@ -254,9 +255,9 @@ def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], plann
         return "optimizer step (on the gradients, after the backward)"
     if planned.peak_in_loss:
         return "loss (after the module's forward, before its backward)"
-    snapshot = simulator.snapshot(options, planned.peak_step)
-    if snapshot.region:
-        return f"recompute/backward of {trace.nodes[snapshot.region].path}"
+    holdings = simulator.holdings_at(options, planned.peak_step)
+    if holdings.region:
+        return f"recompute/backward of {trace.nodes[holdings.region].path}"
     where = "forward" if planned.peak_step < trace.num_events else "backward"
     return f"{where} (outside checkpointed blocks)"
 

@@ -2,12 +2,12 @@
 
 The peak of a training step is a maximum over time of sums of live tensors, so the problem is not
 a knapsack: freeing bytes that are not live at the peak buys nothing. The solver therefore works
-from the replay itself:
+from the simulation itself:
 
-1. Replay the current plan, take the instant of the peak and list who holds each live storage.
+1. Simulate the current plan, take the instant of the peak and list who holds each live storage.
 2. For every legal move (keep->selective, keep->full, selective->full) estimate the bytes it frees
    *at that instant* and its extra recomputation cost; rank by bytes per cost.
-3. Replay the best few candidates exactly and apply the one with the best real peak reduction per
+3. Simulate the best few candidates exactly and apply the one with the best real peak reduction per
    cost (on a plateau, where none of them lowers the peak, a few more are tried first). Repeat
    until the peak fits the budget.
 4. Prune: undo or soften moves (most expensive first) that the final plan does not need.
@@ -17,7 +17,7 @@ from the replay itself:
 
 Greedy descent is path dependent, so a small portfolio competes: the greedy path from the plain
 model recorded at a few slightly tighter targets, and a start from a Lagrangian tree knapsack
-(each option priced by one exact replay, cost - lambda * bytes freed, over a sweep of lambda)
+(each option priced by one exact simulation, cost - lambda * bytes freed, over a sweep of lambda)
 repaired by the greedy. The cheapest candidates are pruned against the real target
 and the cheapest result wins.
 
@@ -37,15 +37,15 @@ from collections import Counter
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 
-from lightning_tbp.remat.simulate import Option, SimResult, Simulator, Snapshot
+from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.options import SOFT, Option, clears_soft_below, next_options
+from lightning_tbp.remat.simulate import Holdings, SimResult, Simulator
 
 _EXACT_CANDIDATES = 4
 #: When none of the first candidates lowers the peak (it sits on a plateau: several instants at
-#: the same height), this many are replayed before the best of them is taken anyway.
+#: the same height), this many are simulated before the best of them is taken anyway.
 _EXACT_CANDIDATES_ON_A_PLATEAU = 16
 _MAX_STALLED_MOVES = 3
-#: Options that keep a block's subtree plain and must not sit under a checkpoint.
-_SOFT = (Option.SELECTIVE, Option.LAZY)
 #: Targets (fractions of the real one) whose plans compete; see ``Solver._solve``.
 _TARGET_PORTFOLIO = (1.0, 0.96, 0.92, 0.88)
 _PRUNED_CANDIDATES = 3
@@ -55,7 +55,7 @@ _MAX_PRUNE_PASSES = 4
 _LARGE_MODEL_NODES = 64
 #: Prices per byte swept by the Lagrangian start, in cost units (nanoseconds) per byte.
 _LAMBDAS = tuple(10 ** (k / 8) for k in range(-40, 33))
-#: The solver plans to (1 - PLANNING_MARGIN) of the budget: the replay predicts measured CPU
+#: The solver plans to (1 - PLANNING_MARGIN) of the budget: the simulator predicts measured CPU
 #: allocator peaks within a few percent, and the budget is a promise about the measured peak.
 PLANNING_MARGIN = 0.05
 
@@ -69,8 +69,6 @@ class InfeasibleBudgetError(ValueError):
     """The memory budget is below the smallest peak any plan reaches."""
 
     def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int) -> None:
-        from lightning_tbp.remat.budget import format_bytes
-
         minimum = budget_for_peak(minimum_peak_bytes)
         self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
         super().__init__(
@@ -88,11 +86,11 @@ class Solution:
     result: SimResult
     naive: SimResult
     solve_seconds: float
-    replays: int
+    simulations: int
 
 
 class Solver:
-    """Greedy, replay-guided search over nested checkpoint plans for one trace."""
+    """Greedy, simulation-guided search over nested checkpoint plans for one trace."""
 
     def __init__(self, simulator: Simulator, *, selective: bool = True) -> None:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
@@ -114,10 +112,12 @@ class Solver:
                 continue
             events = range(node.first_event, node.last_event + 1)
             self.subtree_cost[node.index] = sum(trace.event_cost[e] for e in events)
-            self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_heavy[e])
+            self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_traits[e].heavy)
             self.event_count[node.index] = len(events)
             self.save_count[node.index] = sum(len(trace.event_saves[e]) for e in events)
-            self.heavy_outputs[node.index] = [s for e in events if trace.event_heavy[e] for s in trace.event_outputs[e]]
+            self.heavy_outputs[node.index] = [
+                s for e in events if trace.event_traits[e].heavy for s in trace.event_outputs[e]
+            ]
         self.ancestors: list[list[int]] = []
         for node in self.nodes:
             chain, parent = [], node.parent
@@ -130,7 +130,7 @@ class Solver:
         for node in reversed(self.nodes):
             if node.parent >= 0:
                 self.subtree_end[node.parent] = max(self.subtree_end[node.parent], self.subtree_end[node.index])
-        self.replays = 0
+        self.simulations = 0
         self._prices: dict[tuple[int, Option], tuple[float, float]] | None = None
         self._memo: dict[tuple[Option, ...], SimResult] = {}
         self._over: dict[tuple[Option, ...], int] = {}  # plans whose peak passes this many bytes
@@ -139,7 +139,7 @@ class Solver:
     # -- public -----------------------------------------------------------------------------------
     def naive(self) -> SimResult:
         if self._naive is None:
-            self._naive = self.replay([Option.KEEP] * len(self.nodes))
+            self._naive = self.simulate([Option.KEEP] * len(self.nodes))
         return self._naive
 
     def solve(self, budget_bytes: int) -> Solution:
@@ -151,7 +151,7 @@ class Solver:
         naive = self.naive()
         keep_all = [Option.KEEP] * len(self.nodes)
         if naive.peak_bytes <= target_bytes:  # the budget allows the unplanned step, margin included
-            return Solution(keep_all, naive, naive, time.perf_counter() - start, self.replays)
+            return Solution(keep_all, naive, naive, time.perf_counter() - start, self.simulations)
         # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.
         targets = [int(target_bytes * f) for f in _TARGET_PORTFOLIO]
@@ -174,7 +174,7 @@ class Solver:
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = self.refine(*min(pruned, key=lambda c: c[1].recompute_cost), target_bytes)
         options, result = self.trade(options, result, target_bytes)
-        return Solution(options, result, naive, time.perf_counter() - start, self.replays)
+        return Solution(options, result, naive, time.perf_counter() - start, self.simulations)
 
     def lowest(self, target_bytes: int) -> tuple[list[Option], SimResult]:
         """The cheapest plan under ``target_bytes`` that descents ranking moves by bytes alone
@@ -214,7 +214,7 @@ class Solver:
                     and all(options[a] == Option.KEEP for a in self.ancestors[node.index])
                 ):
                     options[node.index] = Option.FULL
-            plans.append((options, self.replay(options)))
+            plans.append((options, self.simulate(options)))
         return plans
 
     def greedy_path(
@@ -255,11 +255,11 @@ class Solver:
     def lagrangian_start(self, naive: SimResult, target_bytes: int) -> tuple[list[Option], SimResult]:
         """Cheapest plan of a Lagrangian sweep that fits, else the sweep's lowest peak.
 
-        Each block option is priced from one snapshot of the plain model at the end of its forward
+        Each block option is priced from one holdings reading of the plain model at the end of its forward
         (bytes only that block holds, less what the option keeps; its recomputation cost); for a
         price ``lam`` per byte, the tree is solved exactly
         for ``cost - lam * freed`` (a full checkpoint makes its subtree's choices moot, a selective
-        one requires a plain subtree). Every distinct plan of the sweep is replayed exactly.
+        one requires a plain subtree). Every distinct plan of the sweep is simulated exactly.
         """
         prices = self._singleton_prices(naive)
         best: tuple[tuple[bool, float], list[Option], SimResult] | None = None
@@ -272,11 +272,11 @@ class Solver:
                 continue
             seen.add(key)
             if best is not None and not best[0][0]:  # once one fits, only those that fit compete
-                result = self.replay_within(options, target_bytes)
+                result = self.simulate_within(options, target_bytes)
                 if result is None:
                     continue
             else:
-                result = self.replay(options)
+                result = self.simulate(options)
             fits = result.peak_bytes <= target_bytes
             rank = (not fits, result.recompute_cost if fits else result.peak_bytes)
             if best is None or rank < best[0]:
@@ -285,17 +285,17 @@ class Solver:
         return best[1], best[2]
 
     def _singleton_prices(self, naive: SimResult) -> dict[tuple[int, Option], tuple[float, float]]:
-        """(cost, bytes freed at the end of the forward) of each option alone, from one snapshot."""
+        """(cost, bytes freed at the end of the forward) of each option alone, from one holdings."""
         if self._prices is not None:
             return self._prices
-        snapshot = self.snapshot([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
-        freed_full, lca = self._releasable_bytes(snapshot)
+        holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
+        freed_full, lca = self._releasable_bytes(holdings)
         prices = {}
         for node in self.nodes[1:]:
             if not node.has_events:
                 continue
-            full = freed_full[node.index] - self._kept_inputs(node.index, snapshot, lca)
-            selective = full - self._cache_bytes(node.index, snapshot, lca)
+            full = freed_full[node.index] - self._kept_inputs(node.index, holdings, lca)
+            selective = full - self._cache_bytes(node.index, holdings, lca)
             freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective}
             for option in self.options:
                 prices[node.index, option] = (self._cost_of(node.index, option), freed[option])
@@ -321,22 +321,22 @@ class Solver:
         return best_value
 
     # -- search ---------------------------------------------------------------------------------
-    def replay(self, options: list[Option]) -> SimResult:
-        """Replay a plan; the searches revisit plans often, so replays are memoised."""
+    def simulate(self, options: list[Option]) -> SimResult:
+        """Replay a plan; the searches revisit plans often, so simulations are memoised."""
         key = tuple(options)
         result = self._memo.get(key)
         if result is None:
-            self.replays += 1
+            self.simulations += 1
             result = self._memo[key] = self.sim.run(options)
         return result
 
-    def snapshot(self, options: list[Option], step: int) -> Snapshot:
-        """Who holds what at ``step`` of the plan's replay (a replay that stops there)."""
-        self.replays += 1
-        return self.sim.snapshot(options, step)
+    def holdings_at(self, options: list[Option], step: int) -> Holdings:
+        """Who holds what at ``step`` of the plan's simulation (one that stops there)."""
+        self.simulations += 1
+        return self.sim.holdings_at(options, step)
 
-    def replay_within(self, options: list[Option], limit_bytes: int) -> SimResult | None:
-        """The replay of a plan if it peaks within ``limit_bytes``, else None (a bounded replay
+    def simulate_within(self, options: list[Option], limit_bytes: int) -> SimResult | None:
+        """The simulation of a plan if it peaks within ``limit_bytes``, else None (a bounded simulation
         stops where the memory passes the bound: the searches reject most plans they try)."""
         key = tuple(options)
         result = self._memo.get(key)
@@ -344,7 +344,7 @@ class Solver:
             return result if result.peak_bytes <= limit_bytes else None
         if self._over.get(key, -1) >= limit_bytes:  # known to pass a bound at least this low
             return None
-        self.replays += 1
+        self.simulations += 1
         result = self.sim.run_within(options, limit_bytes)
         if result is None:
             self._over[key] = limit_bytes
@@ -359,19 +359,11 @@ class Solver:
             if not node.has_events:
                 continue
             checkpointed_above = not self._outermost(i, options)
-            if any(options[a] in _SOFT for a in self.ancestors[i]):
+            if any(options[a] in SOFT for a in self.ancestors[i]):
                 continue  # a selective or lazy block keeps its subtree plain (see the module doc)
             plain_below = not self.subtree_planned(i, options)
-            if options[i] == Option.KEEP:
-                moves.append((i, Option.FULL))
-                if not checkpointed_above and plain_below:
-                    moves += [(i, Option.SELECTIVE), (i, Option.LAZY)]
-            elif options[i] == Option.SELECTIVE:
-                moves += [(i, Option.FULL), (i, Option.LAZY)]  # lazy: no block-wide recompute
-            elif options[i] == Option.LAZY:
-                moves.append((i, Option.FULL))
-            elif not checkpointed_above and plain_below:  # a full block whose recompute is the peak
-                moves.append((i, Option.LAZY))
+            following = next_options(options[i], checkpointed_above=checkpointed_above, plain_below=plain_below)
+            moves += [(i, option) for option in following]
         return [move for move in moves if move[1] in self.options]
 
     def subtree_planned(self, index: int, options: list[Option]) -> bool:
@@ -380,9 +372,9 @@ class Solver:
     def apply(self, options: list[Option], index: int, option: Option) -> list[Option]:
         new = list(options)
         new[index] = option
-        if option == Option.FULL:  # selective/lazy below a checkpoint would defeat it (see module doc)
+        if clears_soft_below(option):
             for j in range(index + 1, self.subtree_end[index]):
-                if new[j] in _SOFT:
+                if new[j] in SOFT:
                     new[j] = Option.KEEP
         return new
 
@@ -394,13 +386,13 @@ class Solver:
         cost_blind: bool = False,
         visited: Set[tuple[Option, ...]] = frozenset(),
     ) -> tuple[list[Option], SimResult] | None:
-        snapshot = self.snapshot(options, result.peak_step)
-        freed_full, lca = self._releasable_bytes(snapshot)
+        holdings = self.holdings_at(options, result.peak_step)
+        freed_full, lca = self._releasable_bytes(holdings)
         scored = []
         for index, option in self.legal_moves(options):
-            freed = freed_full[index] - self._kept_inputs(index, snapshot, lca)
-            if option in _SOFT:
-                freed -= self._cache_bytes(index, snapshot, lca)
+            freed = freed_full[index] - self._kept_inputs(index, holdings, lca)
+            if option in SOFT:
+                freed -= self._cache_bytes(index, holdings, lca)
             if freed <= 0:
                 continue
             extra = 1.0 if cost_blind else self._cost_of(index, option) - self._cost_of(index, options[index])
@@ -422,11 +414,11 @@ class Solver:
             if tuple(candidate) in visited:  # back to where the descent was: it would cycle
                 continue
             if best is not None and best[0][0]:  # once one lowers the peak, only those that do compete
-                trial = self.replay_within(candidate, result.peak_bytes - 1)
+                trial = self.simulate_within(candidate, result.peak_bytes - 1)
                 if trial is None:
                     continue
             else:
-                trial = self.replay(candidate)
+                trial = self.simulate(candidate)
             gain = result.peak_bytes - trial.peak_bytes
             extra = 1.0 if cost_blind else max(trial.recompute_cost - result.recompute_cost, 1.0)
             key = (gain > 0, gain / extra)
@@ -455,7 +447,7 @@ class Solver:
         """On large models, apply the best-ranked moves on disjoint subtrees together.
 
         They are taken until their estimated savings cover half the remaining deficit, so the
-        descent needs a logarithmic rather than linear number of replays; the exact one-move
+        descent needs a logarithmic rather than linear number of simulations; the exact one-move
         step remains the fallback when a batch does not lower the peak.
         """
         batch: list[int] = []
@@ -470,10 +462,10 @@ class Solver:
                 break
         if len(batch) < 2:
             return None
-        trial = self.replay_within(candidate, result.peak_bytes - 1)
+        trial = self.simulate_within(candidate, result.peak_bytes - 1)
         return None if trial is None else (candidate, trial)
 
-    def _releasable_bytes(self, snapshot: Snapshot) -> tuple[list[int], dict[int, int]]:
+    def _releasable_bytes(self, holdings: Holdings) -> tuple[list[int], dict[int, int]]:
         """Per block, bytes live at the snapshot that only that block's subtree holds.
 
         A storage is released by checkpointing any block that encloses all of its holders, i.e.
@@ -481,22 +473,22 @@ class Solver:
         """
         trace = self.sim.trace
         holder_nodes: dict[int, list[int]] = {}
-        for event, sids in snapshot.event_holds.items():
+        for event, sids in holdings.event_holds.items():
             for sid in sids:
                 holder_nodes.setdefault(sid, []).append(trace.event_node[event])
-        for node, sids in snapshot.node_holds.items():
+        for node, sids in holdings.node_holds.items():
             for sid in sids:
                 holder_nodes.setdefault(sid, []).append(node)
         freed = [0] * len(self.nodes)
         lca: dict[int, int] = {}
         for sid, nodes in holder_nodes.items():
-            if sid in snapshot.python_refs:
+            if sid in holdings.python_refs:
                 continue
             common = nodes[0]
             for other in nodes[1:]:
                 common = self._common_ancestor(common, other)
             lca[sid] = common
-            size = snapshot.sizes.get(sid, 0)
+            size = holdings.sizes.get(sid, 0)
             walk = common
             while walk > 0:
                 freed[walk] += size
@@ -512,19 +504,19 @@ class Solver:
         node = lca.get(sid, -1)
         return index <= node < self.subtree_end[index]
 
-    def _kept_inputs(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
+    def _kept_inputs(self, index: int, holdings: Holdings, lca: dict[int, int]) -> int:
         """Inputs a checkpoint of ``index`` keeps although they were credited as released."""
         inputs = set(self.nodes[index].inputs)
-        return sum(snapshot.sizes.get(s, 0) for s in inputs if self._within(index, lca, s))
+        return sum(holdings.sizes.get(s, 0) for s in inputs if self._within(index, lca, s))
 
-    def _cache_bytes(self, index: int, snapshot: Snapshot, lca: dict[int, int]) -> int:
+    def _cache_bytes(self, index: int, holdings: Holdings, lca: dict[int, int]) -> int:
         """Heavy-op outputs a selective checkpoint of ``index`` keeps (whether live now or not)."""
         total = 0
         for sid in self.heavy_outputs[index]:
-            if sid not in snapshot.sizes:
+            if sid not in holdings.sizes:
                 total += self.sim.trace.storage_bytes[sid]
             elif self._within(index, lca, sid):
-                total += snapshot.sizes[sid]
+                total += holdings.sizes[sid]
         return total
 
     def refine(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
@@ -545,7 +537,7 @@ class Solver:
             for child in children:
                 candidate[child] = candidate[child] if candidate[child] != Option.KEEP else options[index]
             candidate[index] = Option.KEEP
-            trial = self.replay_within(candidate, budget_bytes)
+            trial = self.simulate_within(candidate, budget_bytes)
             if trial is None:
                 continue
             pruned = self.prune(candidate, trial, budget_bytes)
@@ -564,7 +556,7 @@ class Solver:
         def others(index: int, options: list[Option]) -> list[Option]:
             choices = [Option.KEEP, Option.FULL]
             if self._outermost(index, options):
-                choices += [option for option in _SOFT if option in self.options]
+                choices += [option for option in SOFT if option in self.options]
             return [option for option in choices if option != options[index]]
 
         return self._sweep(options, result, budget_bytes, others, cheapest=True)
@@ -574,7 +566,7 @@ class Solver:
 
         def softer(index: int, options: list[Option]) -> list[Option]:
             if options[index] == Option.FULL and self._outermost(index, options):
-                return [Option.KEEP, *(option for option in _SOFT if option in self.options)]
+                return [Option.KEEP, *(option for option in SOFT if option in self.options)]
             return [Option.KEEP]
 
         return self._sweep(options, result, budget_bytes, softer, cheapest=False)
@@ -601,9 +593,9 @@ class Solver:
                 for option in alternatives(index, options):
                     candidate = list(options)
                     candidate[index] = option
-                    if option in _SOFT and self.subtree_planned(index, candidate):
+                    if option in SOFT and self.subtree_planned(index, candidate):
                         continue
-                    trial = self.replay_within(candidate, budget_bytes)
+                    trial = self.simulate_within(candidate, budget_bytes)
                     if trial is not None and trial.recompute_cost < (found or (options, result))[1].recompute_cost:
                         found = (candidate, trial)
                         if not cheapest:

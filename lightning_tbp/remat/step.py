@@ -1,33 +1,35 @@
 """What a training step does besides the module's own forward and backward: the step model.
 
-A plain step backpropagates once and frees each saved tensor as its op's backward runs. A DP
-engine attached to the module changes that (``lightning_tbp.privacy``): ghost and flash clipping
-backpropagate the graph twice, the first pass retaining everything it saved and writing no
-parameter gradients; bookkeeping keeps each clipped layer's saved input and output gradient
-until the backward ends (except inside full checkpoints, which it replays: ``replay.py``), then
-forms the parameter gradients one layer at a time; every mode
-probes per-sample independence with extra retained passes on a new graph structure (their
-peak is that of one: the simulator runs one).
+A plain step backpropagates once and frees each saved tensor as its op's backward runs. Whoever
+changes that (a DP engine attached to the module: ``lightning_tbp.privacy``) registers a
+:class:`StepModel` for the module (:func:`register_step_model`): its backward passes, and what
+the step does around the plain backward at each event (:class:`StepModel.effects_for`, the
+simulator's extension point: ``simulated_step.StepEffects``). During the planner's profiling
+forward it may report layers it treats apart (:func:`note_layer`, a :class:`LayerNote`), which the
+trace files by event and storage ids for its effects to read. The remat package knows nothing
+of what the notes mean.
 
-The planner must simulate *that* step, or a plan made with an engine attached overshoots its
-budget. So whoever changes the step registers a :class:`StepModel` for the module
-(:func:`register_step_model`), and during the planner's profiling forward reports each layer it
-taps (:func:`note_tap`): the event, the tensors the tap saves, its output, and the transient
-bytes of its per-sample norms and of its clipped sum. The remat package knows nothing of DP.
+The training loop around the step (which gradients are alive when it starts, its optimizer
+step) is the :class:`LoopModel`.
 """
 
 from __future__ import annotations
 
 import contextvars
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from lightning_tbp.remat.budget import format_bytes
+
+if TYPE_CHECKING:  # typing only: the simulated step imports this module
+    from lightning_tbp.remat.simulated_step import SimulatedStep, StepEffects
+    from lightning_tbp.remat.trace import Trace
 
 
 @dataclass(frozen=True)
@@ -38,21 +40,14 @@ class BackwardPass:
     """Saved tensors stay (``retain_graph=True``); recomputed ones are still dropped after use."""
     parameter_gradients: bool = True
     """The pass writes parameter gradients (as the backward reaches each layer)."""
-    books_taps: bool = False
-    """Tapped layers keep their saved tensors and output gradient until the pass ends; their
-    parameter gradients are then formed one layer at a time (bookkeeping)."""
-    tap_transient: str = ""
-    """Which transient of the taps the pass pays at each tap's backward: "norm", "sum" or both
-    ("norm+sum"); empty for none."""
-    replays_checkpoints: bool = False
-    """With ``books_taps``: a fully checkpointed block that no other planned block encloses books
-    nothing; it keeps its inputs and its outputs' gradient until the pass ends, and after the
-    book it runs again, forward and backward, one block at a time (``replay.py``)."""
+    every_step: bool = True
+    """The pass runs on every step; False for a probe of a graph's first step only: its memory
+    counts (the plan must hold then too), its recomputation is not a cost of every step."""
 
 
 @dataclass(frozen=True)
 class StepModel:
-    """The backward passes of one training step, in order."""
+    """The backward passes of one training step, in order, and what the step does around them."""
 
     passes: tuple[BackwardPass, ...] = (BackwardPass(),)
     name: str = "plain"
@@ -61,6 +56,20 @@ class StepModel:
     def backward_passes(self) -> int:
         """Passes over one forward's graph: more than one rules out selective checkpoints."""
         return len(self.passes)
+
+    @property
+    def every_step_passes(self) -> int:
+        """Passes every step runs (each unpacks its saves, so a lazy block rebuilds them again)."""
+        return sum(p.every_step for p in self.passes)
+
+    def effects_for(self, trace: Trace) -> Callable[[SimulatedStep], StepEffects] | None:
+        """What the simulator runs around the plain backward for ``trace`` (per-trace work done
+        here, once); None: nothing (a plain step)."""
+        return None
+
+    def extra_ns(self, trace: Trace) -> float:
+        """Time the step adds to the trace's forward and backward passes, in nanoseconds."""
+        return 0.0
 
 
 PLAIN_STEP = StepModel()
@@ -107,37 +116,27 @@ PLAIN_LOOP = LoopModel()
 
 
 @dataclass
-class TapNote:
-    """A tapped layer as the profiling forward saw it (storage ids are filled in by the trace)."""
+class LayerNote:
+    """A layer the step model treats apart, as the profiling forward saw it. The reporter fills
+    ``saved`` and ``output``; the trace replaces them by storage ids and the event of the layer's
+    last op (whose node holds its saves), so a trace keeps numbers only."""
 
     saved: tuple[torch.Tensor, ...]
     output: torch.Tensor | None
-    norm_bytes: int  # transient of its per-sample norms
-    sum_bytes: int  # transient of its clipped sum (the parameter gradients are counted apart)
-    parameter_bytes: int  # the gradients its clipped sum writes
-    layer: int = 0  # which layer: a layer tapped twice keeps per-sample gradients through the norms pass
-    per_sample_bytes: int = 0  # those per-sample gradients (batch x its parameters)
-    book_copy_bytes: int = 0
-    """What a booked entry allocates before its clipped sum: a tracked use's output gradients
-    scaled by the clipping coefficients (a handler scales inside its sum, which its meter counts;
-    a replayed block's layers receive them scaled)."""
     event: int = -1
     saved_sids: tuple[int, ...] = ()
     output_sid: int = -1
-    norm_ns: float = 0.0  # time of its per-sample norms (measured; 0 when not)
-    sum_ns: float = 0.0  # time of its clipped sum
-    meter: Callable[[], tuple[int, int, float, float] | None] | None = None
-    """Measures (norm bytes, sum bytes, norm ns, sum ns) on stand-in tensors of the same layout,
-    when called after the profiling forward (the byte estimates above are only formulas; kernels
-    allocate more)."""
-    meter_key: tuple = ()
-    """Taps with equal keys (same layer kind, same layouts) measure alike: one measurement serves them."""
+
+    @classmethod
+    def settle(cls, notes: Sequence[LayerNote], measure: bool) -> None:
+        """After the profiling forward: replace estimates by measurements where ``measure`` and
+        drop whatever references the module (a subclass's meters)."""
 
 
 _StepModelSource = Callable[[], StepModel]
 _REGISTRY: weakref.WeakKeyDictionary[nn.Module, _StepModelSource] = weakref.WeakKeyDictionary()
-_TAP_LISTENER: contextvars.ContextVar[Callable[[TapNote], None] | None] = contextvars.ContextVar(
-    "lightning_tbp_tap_listener", default=None
+_NOTE_LISTENER: contextvars.ContextVar[Callable[[LayerNote], None] | None] = contextvars.ContextVar(
+    "lightning_tbp_note_listener", default=None
 )
 
 
@@ -162,22 +161,22 @@ def step_model_for(module: nn.Module) -> StepModel:
     return PLAIN_STEP if source is None else source()
 
 
-def profiling_taps() -> bool:
-    """Whether a running profile listens for taps (outside one, a tap need not describe itself)."""
-    return _TAP_LISTENER.get() is not None
+def profiling_notes() -> bool:
+    """Whether a running profile listens for layer notes (outside one, a layer need not describe itself)."""
+    return _NOTE_LISTENER.get() is not None
 
 
-def note_tap(note: TapNote) -> None:
-    """Report a tapped layer to a running profile (a no-op outside one)."""
-    listener = _TAP_LISTENER.get()
+def note_layer(note: LayerNote) -> None:
+    """Report a layer to a running profile (a no-op outside one)."""
+    listener = _NOTE_LISTENER.get()
     if listener is not None:
         listener(note)
 
 
-def listening_for_taps(listener: Callable[[TapNote], None]) -> contextvars.Token:
-    """Route :func:`note_tap` reports to ``listener`` until ``_TAP_LISTENER.reset(token)``."""
-    return _TAP_LISTENER.set(listener)
+def listening_for_notes(listener: Callable[[LayerNote], None]) -> contextvars.Token:
+    """Route :func:`note_layer` reports to ``listener`` until :func:`stop_listening`."""
+    return _NOTE_LISTENER.set(listener)
 
 
 def stop_listening(token: contextvars.Token) -> None:
-    _TAP_LISTENER.reset(token)
+    _NOTE_LISTENER.reset(token)

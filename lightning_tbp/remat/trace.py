@@ -8,11 +8,12 @@ costs. Meanwhile a ``TorchDispatchMode`` sees every aten op below autograd and r
 * the storages each op creates (views and in-place results are resolved to the storage they
   alias, so a saved view counts the bytes it really keeps alive),
 * which storages autograd *would* have saved, attributed to the op that saved them,
-* the op's FLOPs (torch's FLOP formulas) and whether it is "heavy" (matmul/conv/attention);
+* the op's FLOPs (torch's FLOP formulas) and its traits (``ops.py``: view, heavy, how its
+  backward hands on the gradient, ...);
   after the pass each distinct op is timed alone (``calibrate.py``): that time is its cost,
 * the candidate module (block) that was running, and the tensors entering and leaving it.
 
-The simulator replays this trace under any plan, so the trace is all the planner needs.
+The simulator runs this trace under any plan, so the trace is all the planner needs.
 """
 
 from __future__ import annotations
@@ -30,26 +31,15 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, op_packet, storage_key, tree_flatten, writes_input
+from lightning_tbp.compat import TorchDispatchMode, op_packet, storage_key, tree_flatten
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
-from lightning_tbp.remat.lazy import is_recomputable
 from lightning_tbp.remat.loss import assumed_loss_bytes
+from lightning_tbp.remat.ops import OpTraits, traits_of
 from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
-from lightning_tbp.remat.step import TapNote, listening_for_taps, stop_listening
-
-#: Ops whose backward needs their own main result, saved right after they run (from torch's
-#: derivative formulas): where the next op also takes that result as input, the save is theirs.
-SAVES_OWN_RESULT = frozenset(
-    {
-        "relu", "sigmoid", "tanh", "exp", "expm1", "sqrt", "rsqrt", "reciprocal", "_softmax", "_log_softmax",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward", "_efficient_attention_forward",
-    }
-)  # fmt: skip
+from lightning_tbp.remat.step import LayerNote, listening_for_notes, stop_listening
 
 
 @dataclass
@@ -91,13 +81,12 @@ class Trace:
     event_partial_inputs: list[dict[int, int]] = field(default_factory=list)
     event_outputs: list[tuple[int, ...]] = field(default_factory=list)
     event_saves: list[list[int]] = field(default_factory=list)
-    event_heavy: list[bool] = field(default_factory=list)
-    event_recomputable: list[bool] = field(default_factory=list)  # a lazy block may rebuild its outputs
+    # what each op is (``ops.py``): every later stage reads these flags and decides nothing itself
+    event_traits: list[OpTraits] = field(default_factory=list)
     event_flops: list[int] = field(default_factory=list)
     # measured forward time, ns: the op alone, scaled to its block's real forward (``_scale_to_framework``)
     event_cost: list[float] = field(default_factory=list)
     event_backward_cost: list[float] = field(default_factory=list)  # measured backward time, ns (alone)
-    event_op: list[str] = field(default_factory=list)
     event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
     event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
     nodes: list[Node] = field(default_factory=list)
@@ -107,7 +96,8 @@ class Trace:
     # Measured over modelled extra time of each plan option, from real block steps
     # (``calibrate_blocks.py``); the model's estimate stands where none was measured
     option_scale: dict = field(default_factory=dict)
-    taps: list[TapNote] = field(default_factory=list)  # layers a DP engine taps (see ``step.py``)
+    # layers the step model treats apart, as reported during the profile (``step.LayerNote``)
+    step_notes: list[LayerNote] = field(default_factory=list)
     # Peak of the loss a step is assumed to compute from the outputs until one is measured (``loss.py``)
     assumed_loss_bytes: int = 0
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
@@ -223,6 +213,7 @@ class _Recorder(TorchDispatchMode):
             return out
         trace = self.trace
         event = trace.num_events
+        traits = traits_of(func)
         seen: dict[int, int] = {}
         for tensor in _tensors((args, kwargs)):
             if (sid := self.sid_of(tensor)) is not None:
@@ -244,7 +235,7 @@ class _Recorder(TorchDispatchMode):
             if sid is not None and sid in input_set:
                 output_sids.append(sid)
                 # an in-place write: a lazy block no longer rebuilds that storage
-                trace.storage_written[sid] = trace.storage_written[sid] or writes_input(func)
+                trace.storage_written[sid] = trace.storage_written[sid] or traits.writes_input
                 if trace.storage_is_activation[sid]:
                     self.watch(tensor, sid)
                 continue  # a view or an in-place result: same storage as an input
@@ -267,11 +258,9 @@ class _Recorder(TorchDispatchMode):
         trace.event_partial_inputs.append(partial)
         trace.event_outputs.append(tuple(outputs))
         trace.event_saves.append(saves)
-        trace.event_heavy.append(flops > 0)
-        trace.event_recomputable.append(is_recomputable(func))
+        trace.event_traits.append(traits)
         trace.event_flops.append(flops)
         trace.event_cost.append(0.0)  # measured after the forward
-        trace.event_op.append(str(func.__name__))
         return out
 
     def record_save(self, tensor: torch.Tensor) -> None:
@@ -292,7 +281,7 @@ class _Recorder(TorchDispatchMode):
         trace = self.trace
         last = trace.num_events - 1
         last_outputs = set(trace.event_outputs[last]) if last >= 0 else set()
-        last_saves_result = last >= 0 and trace.event_op[last].split(".")[0] in SAVES_OWN_RESULT
+        last_saves_result = last >= 0 and trace.event_traits[last].saves_own_result
         counts = Counter(self.pending_saves)
         mine: list[int] = []
         for sid in self.pending_saves:
@@ -321,7 +310,7 @@ def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
     finest granularity; inside them the planner chooses selective recomputation instead. A layer
     with adapters (peft's LoRA ``Linear`` holds its base layer and adapters as submodules) is
     still one layer: on an SDXL U-Net with LoRA such layers would otherwise be 560 of 952
-    candidates, each a replay branch for the solver and none worth a checkpoint of its own.
+    candidates, each a simulation branch for the solver and none worth a checkpoint of its own.
     """
     layers = _adapter_layer_types()
     return {
@@ -430,8 +419,8 @@ def record_trace(
         recorder.record_save(tensor)
         return None
 
-    def tap(note: TapNote) -> None:
-        note.event = trace.num_events - 1  # the tap's own (view) op, whose node holds its saves
+    def file_note(note: LayerNote) -> None:
+        note.event = trace.num_events - 1  # the layer's last (view) op, whose node holds its saves
         note.saved_sids = tuple(s for t in note.saved if (s := recorder.sid_of(t)) is not None)
         for sid in note.saved_sids:  # a Function packs what it saved as its forward returns: file it now
             if sid in recorder.pending_saves:
@@ -439,14 +428,14 @@ def record_trace(
                 trace.event_saves[note.event].append(sid)
         note.output_sid = recorder.sid_of(note.output) if recorder.sid_of(note.output) is not None else -1
         note.saved, note.output = (), None  # the trace keeps ids, not tensors
-        trace.taps.append(note)
+        trace.step_notes.append(note)
 
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
 
     devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"}) if measure else []
-    listening = listening_for_taps(tap)
+    listening = listening_for_notes(file_note)
     try:
         with (
             frozen_buffers(module),
@@ -472,7 +461,7 @@ def record_trace(
                 workspaces, trace.unmeasured_workspaces = recorder.calibrator.measure_workspaces(
                     _consumers(trace), workspaces_below
                 )
-            _meter_taps(trace.taps, measure)
+            _settle_notes(trace.step_notes, measure)
     finally:
         stop_listening(listening)
         for handle in handles:
@@ -530,20 +519,13 @@ def _densifies(func: Any, args: tuple, out: object) -> bool:
     )
 
 
-def _meter_taps(taps: list[TapNote], measure: bool) -> None:
-    """With ``measure``, replace each tap's estimated norm and sum transients by measured ones
-    (one measurement per distinct layer and layout; under a running CPU profiler the estimates
-    stay). Either way the trace then keeps numbers only."""
-    measured: dict[tuple, tuple[int, int, float, float] | None] = {}
-    for note in taps:
-        if note.meter is None or not measure:
-            note.meter = None
-            continue
-        if note.meter_key not in measured:
-            measured[note.meter_key] = note.meter()
-        if (found := measured[note.meter_key]) is not None:
-            note.norm_bytes, note.sum_bytes, note.norm_ns, note.sum_ns = found
-        note.meter = None  # the closure holds the module and handler: the trace keeps numbers only
+def _settle_notes(notes: list[LayerNote], measure: bool) -> None:
+    """Each kind of note settles its own (``LayerNote.settle``), in the order reported."""
+    kinds: dict[type[LayerNote], list[LayerNote]] = {}
+    for note in notes:
+        kinds.setdefault(type(note), []).append(note)
+    for kind, group in kinds.items():
+        kind.settle(group, measure)
 
 
 #: Bounds of a block's real forward over its ops' isolated times: a wild measurement of one

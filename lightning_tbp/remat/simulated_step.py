@@ -1,0 +1,691 @@
+"""One training step simulated under a plan: its memory ledger, event by event, and its extension point.
+
+The simulation follows what torch does with non-reentrant ``torch.utils.checkpoint``:
+
+* Outside any checkpoint, each op keeps the tensors autograd saves until its backward runs.
+* A checkpointed block keeps only its inputs (saved through the enclosing hooks, so an inner
+  checkpoint's inputs are themselves recomputed by an outer one). When the backward first needs
+  the block, it is re-run from its inputs up to the last op that saves something ("early stop"),
+  with inner checkpointed blocks again keeping only their inputs; recomputed tensors are released
+  as their ops' backward runs.
+* A selective block (selective activation checkpointing) also caches the outputs of heavy ops
+  (matmul, convolution, attention) during the forward, so its recomputation re-runs only the
+  cheap ops; the recompute consumes the cache (torch pops each entry it reaches and hands it to
+  the recomputed code: it is then held like a tensor that code made, by its saves and references).
+* The gradient of a tensor appears when the backward of its last consumer runs and disappears
+  after the backward of its producer; parameter gradients stay. Other consumers' backwards add
+  a fresh contribution that autograd sums in (a transient), except pass-through ops (add, cat);
+  a parameter's are summed into a new buffer (a second transient).
+  ``cat`` hands its inputs slice *views* of its output gradient, so a U-Net skip's gradient keeps
+  the whole concatenated gradient buffer alive until a second contribution replaces the view, and
+  a conv/matmul/norm backward receiving such a view first copies it to a contiguous tensor.
+* Heavy ops (conv, matmul, attention) allocate transient workspace in forward (so in every
+  recomputation) and backward; the trace measured it per op (``workspace.py``).
+* In a lazy block a saved output of a cheap op (and the chain of cheap ops behind it) is kept as
+  its recipe's leaves; the op's backward rebuilds the chain (a transient).
+* A tensor's Python reference ends where the profiling pass saw its last reference go, which is
+  later than its last use wherever a variable holds it (observed, not inferred).
+
+Memory is counted above the state before the forward (parameters and inputs are the baseline).
+
+What a step does around the plain backward (more passes, work at some layers, saves kept to the
+pass's end, blocks run again after it) is its step model's (``step.StepModel.effects_for``): a
+:class:`StepEffects` the ledger calls at fixed points, whose default does nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
+from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_lazy_block
+from lightning_tbp.remat.step import PLAIN_LOOP, PLAIN_STEP, LoopModel, PriorGradients, StepModel
+from lightning_tbp.remat.trace_facts import TraceFacts
+
+
+@dataclass
+class SimResult:
+    peak_bytes: int
+    recompute_cost: float
+    recompute_flops: int
+    forward_end_bytes: int
+    peak_step: int
+    recompute_counts: dict[int, int] = field(default_factory=dict)
+    peak_in_loss: bool = False  # the peak falls in the loss's window (``Simulator`` ``loss_bytes``)
+    peak_in_optimizer_step: bool = False  # the peak is the optimizer's step (``LoopModel``)
+    case_peaks: dict[PriorGradients, int] = field(default_factory=dict)
+    """The peak of the step in each case of the loop (``LoopModel.gradients``)."""
+
+
+@dataclass
+class Holdings:
+    """Who holds which storage at one instant of a simulated step (used to steer the solver)."""
+
+    region: int
+    event_holds: dict[int, list[int]]
+    node_holds: dict[int, list[int]]
+    python_refs: set[int]
+    sizes: dict[int, int]
+
+
+class OverLimit(Exception):
+    """A bounded simulation passed its memory bound (``Simulator.run_within``)."""
+
+
+class Captured(Exception):
+    """A simulation reached the instant it was to capture (``Simulator.holdings_at``): nothing after it matters."""
+
+    def __init__(self, holdings: Holdings) -> None:
+        super().__init__()
+        self.holdings = holdings
+
+
+class StepEffects:
+    """What a step model does around the plain backward, called by the ledger at fixed points;
+    the plain step does nothing. Subclasses act on the ledger's public state (``step``): its
+    memory level, holds, gradients, and its forward and backward phases.
+
+    * ``backward_transient``: bytes the effects allocate, briefly, at a noted event's backward.
+    * ``take_saves``: whether they keep a noted event's saves (``holds``) past its backward;
+      ``rebuilt``: bytes a lazy block rebuilt for that backward.
+    * ``defer_block`` / ``deferred_block_done``: whether a checkpointed block's backward is
+      deferred (its inputs stay: the effects run it again later), and its backward ended.
+    * ``end_pass``: the pass's backward is done; before the ledger frees its leftover gradients.
+    """
+
+    def __init__(self, step: SimulatedStep) -> None:
+        self.step = step
+
+    def backward_transient(self, event: int) -> int:
+        return 0
+
+    def take_saves(self, event: int, holds: list[int], rebuilt: int) -> bool:
+        return False
+
+    def defer_block(self, block: int, region: int) -> bool:
+        return False
+
+    def deferred_block_done(self, block: int) -> None:
+        pass
+
+    def end_pass(self) -> None:
+        pass
+
+
+class SimulatedStep:
+    """One training step simulated under a plan: the memory ledger, advanced event by event
+    (``tick``); methods mirror the phases of the step. ``effects``: what the step model does
+    around the plain backward (``StepModel.effects_for``), made once this step is set up."""
+
+    def __init__(
+        self,
+        facts: TraceFacts,
+        options: list[Option],
+        step: StepModel = PLAIN_STEP,
+        effects: Callable[[SimulatedStep], StepEffects] | None = None,
+        loss_bytes: int = 0,
+        loop: LoopModel = PLAIN_LOOP,
+        capture_step: int = -1,
+        limit_bytes: float = math.inf,
+    ) -> None:
+        self.facts = facts
+        self.limit_bytes = limit_bytes
+        self.trace = facts.trace
+        self.options = options
+        self.capture_step = capture_step
+        self.storage_sizes = list(facts.sizes)  # recomputed copies and stashed states are appended
+        self.holders: dict[int, int] = {}
+        self.python_refs: set[int] = set()
+        self.alive: set[int] = set()
+        self.grads: set[int] = set()
+        self.grad_view_of: dict[int, int] = {}  # grad of sid is a view into the grad buffer of value
+        self.grad_slices: set[int] = set()  # of those, the non-contiguous ones (slices of a cat's)
+        self.pieces: dict[int, int] = {}  # storage -> bytes of view-sized gradients not merged yet
+        self.grad_views: dict[int, int] = {}  # number of views into a grad buffer
+        self.grad_orphans: set[int] = set()  # freed grads whose buffer views keep alive
+        self.event_holds: dict[int, list[int]] = {}
+        self.node_inputs: dict[int, list[int]] = {}
+        self.node_cache: dict[int, list[int]] = {}
+        # lazy blocks: (peak while rebuilding, bytes left rebuilt) of an event's backward's unpacks
+        self.rebuilds: dict[int, tuple[int, int]] = {}
+        self.mem = 0
+        self.peak = 0
+        self.step = 0
+        self.peak_step = 0
+        self.region = 0
+        self.recompute_cost = 0.0
+        self.recompute_flops = 0
+        self.recompute_counts: dict[int, int] = {}
+        self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
+        self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
+        # A checkpoint inside another stashes the RNG state whenever the enclosing forward or a
+        # recompute calls it (a CPU tensor its frame keeps): ``restash``.
+        self.nested_starts: dict[int, list[int]] = {}  # event -> nested checkpoints starting there
+        self.stale_stashes: set[int] = set()  # nested checkpoints whose last stash is still held
+        if self.trace.checkpoint_state_bytes:
+            for block in range(1, len(options)):
+                if (
+                    options[block] in CHECKPOINTS
+                    and checkpoint_context(facts.parent, facts.parent[block], 0, options) >= 0
+                ):
+                    self.nested_starts.setdefault(facts.first[block], []).append(block)
+
+        # the step's backward passes (see ``step.py``)
+        self.pass_ = step.passes[0]
+        self.every_step_passes = step.every_step_passes
+        self.recomputed_holds: set[int] = set()  # events whose holds a recomputation made
+        self.recomputed_nodes: set[int] = set()  # checkpoints a recomputation entered
+        self.kept_grads: set[int] = set()  # gradients the step's effects keep past their producer's backward
+        self.timing = True  # costs are charged (not in a first-step-only probe pass)
+        self.loss_steps: set[int] = set()
+        # the training loop's cases (``LoopModel``): ``mem`` is the level of a step that starts
+        # without gradients; the others are offsets of it, followed at every tick
+        self.cases = loop.gradients
+        self.plain_loop = self.cases == PLAIN_LOOP.gradients
+        self.prior_bytes = 0 if self.plain_loop else self.trace.parameter_grad_bytes
+        self.case_peaks = dict.fromkeys(self.cases, 0)
+        self.in_backward = False
+        self.parameter_grads = 0  # parameter gradient bytes the step wrote so far
+        self.written_now = 0  # of those, written since the last tick
+        self.optimizer_step = -1
+
+        trace = self.trace
+        self.forward(0, 0, trace.num_events - 1, recompute=False)
+        self.forward_end = self.mem
+        self.effects = effects(self) if effects is not None else StepEffects(self)
+        for backward_pass in step.passes:
+            self.pass_ = backward_pass
+            # a probe of the first step only: its memory counts, its recomputation is no cost of every step
+            self.timing = backward_pass.every_step
+            if loss_bytes:  # the loss's backward (its forward, too, before the first pass)
+                self.mem += loss_bytes
+                self.loss_steps.add(self.step)
+                self.tick()
+                self.mem -= loss_bytes
+            self.in_backward = True  # Lightning frees the last step's gradients here
+            for sid in trace.module_outputs:
+                if trace.storage_needs_grad[sid] and sid not in self.grads:
+                    self.grads.add(sid)
+                    self.mem += facts.sizes[sid]
+            self.tick()
+            self.backward(0, 0, trace.num_events - 1)
+            self.end_pass()
+        if loop.optimizer_step_bytes:  # on the gradients, after the backward
+            self.mem += loop.optimizer_step_bytes
+            self.optimizer_step = self.step
+            self.tick()
+            self.mem -= loop.optimizer_step_bytes
+
+    def result(self) -> SimResult:
+        return SimResult(
+            peak_bytes=self.peak,
+            recompute_cost=self.recompute_cost,
+            recompute_flops=self.recompute_flops,
+            forward_end_bytes=self.forward_end,
+            peak_step=self.peak_step,
+            recompute_counts=self.recompute_counts,
+            peak_in_loss=self.peak_step in self.loss_steps,
+            peak_in_optimizer_step=self.peak_step == self.optimizer_step,
+            case_peaks={PriorGradients.RELEASED: self.peak} if self.plain_loop else dict(self.case_peaks),
+        )
+
+    # -- the ledger -----------------------------------------------------------------------------
+    def new_storage(self, nbytes: int) -> int:
+        """A storage the simulation makes (a recomputed copy, a checkpoint's stashed state): its id."""
+        self.storage_sizes.append(nbytes)
+        return len(self.storage_sizes) - 1
+
+    def size(self, sid: int) -> int:
+        return self.storage_sizes[sid]
+
+    def tick(self) -> None:
+        level = self.mem if self.plain_loop else self.loop_level()
+        if level > self.peak:
+            if level > self.limit_bytes:
+                raise OverLimit
+            self.peak, self.peak_step = level, self.step
+        if self.step == self.capture_step:
+            raise Captured(
+                Holdings(
+                    region=self.region,
+                    event_holds={k: list(v) for k, v in self.event_holds.items()},
+                    node_holds={k: list(v) + self.node_cache.get(k, []) for k, v in self.node_inputs.items()},
+                    python_refs=set(self.python_refs),
+                    sizes={sid: self.size(sid) for sid in self.alive},
+                )
+            )
+        self.step += 1
+
+    def loop_level(self) -> int:
+        """The highest level of the loop's cases now (their peaks kept): ``mem`` is the step that
+        starts without gradients; the last step's gradients add on until the backward; accumulated
+        ones add on throughout, less those the step has written (it adds into them), plus what it
+        wrote since the last tick (its new gradient, summed in and freed)."""
+        highest = 0
+        for case in self.cases:
+            if case is PriorGradients.RELEASED:
+                level = self.mem
+            elif case is PriorGradients.UNTIL_BACKWARD:
+                level = self.mem + (0 if self.in_backward else self.prior_bytes)
+            else:
+                level = self.mem - self.parameter_grads + self.prior_bytes + self.written_now
+            if level > self.case_peaks[case]:
+                self.case_peaks[case] = level
+            highest = max(highest, level)
+        self.written_now = 0
+        return highest
+
+    def wrote_parameter_gradients(self, nbytes: int) -> None:
+        """The step writes ``nbytes`` of parameter gradients (kept to the step's end)."""
+        self.mem += nbytes
+        self.parameter_grads += nbytes
+        self.written_now += nbytes
+
+    def hold(self, sids: list[int]) -> list[int]:
+        held = [sid for sid in sids if sid in self.alive]
+        for sid in held:
+            self.holders[sid] = self.holders.get(sid, 0) + 1
+        return held
+
+    def hold_lazily(self, event: int, block: int) -> list[int]:
+        """Hold the recipe leaves of ``event``'s saves; note what its backward must rebuild."""
+        held: list[int] = []
+        for sid in self.trace.event_saves[event]:
+            if self.facts.sizes[sid] < MIN_LAZY_BYTES:
+                held += self.hold([sid])
+                continue
+            leaves, rebuild, cost = self.facts.lazy_leaves(sid, block)
+            for leaf in leaves:  # the recipe kept it alive since it was made
+                if leaf not in self.alive and self.facts.is_activation[leaf]:
+                    self.alive.add(leaf)
+                    self.mem += self.size(leaf)
+            held += self.hold(leaves)
+            if rebuild:  # unpacked one after another: earlier ones stay rebuilt while later ones are
+                peak, rebuilt = self.rebuilds.get(event, (0, 0))
+                self.rebuilds[event] = (max(peak, rebuilt + rebuild), rebuilt + self.facts.sizes[sid])
+                self.charge(Option.LAZY, cost * self.every_step_passes)
+        return held
+
+    def release(self, sids: list[int]) -> None:
+        for sid in sids:
+            self.holders[sid] -= 1
+            self.maybe_free(sid)
+
+    def maybe_free(self, sid: int) -> None:
+        if sid in self.alive and not self.holders.get(sid) and sid not in self.python_refs:
+            self.alive.discard(sid)
+            self.mem -= self.storage_sizes[sid]
+
+    def lazy_block(self, node: int) -> int:
+        """``options.enclosing_lazy_block`` under this step's plan, memoised per node."""
+        found = self.lazy_blocks.get(node)
+        if found is None:
+            found = self.lazy_blocks[node] = enclosing_lazy_block(self.facts.parent, node, self.options)
+        return found
+
+    def context(self, node: int, region: int) -> int:
+        """``options.checkpoint_context`` under this plan, memoised: every event asks it, often more than once."""
+        key = (node, region)
+        found = self.contexts.get(key)
+        if found is None:
+            found = self.contexts[key] = checkpoint_context(self.facts.parent, node, region, self.options)
+        return found
+
+    # -- phases ---------------------------------------------------------------------------------
+    def forward(self, region: int, lo: int, hi: int, recompute: bool, keep: tuple[int, ...] = ()) -> list[int]:
+        """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids.
+
+        ``keep``: storages whose recomputed copies the caller still references when the
+        recomputation returns (a block run again, its outputs); returns their new ids."""
+        facts, trace, options = self.facts, self.trace, self.options
+        selective_recompute = recompute and options[region] == Option.SELECTIVE
+        cache_end = facts.cache_end[region]
+        remap: dict[int, int] = {}
+        handed: list[int] = []  # cached outputs a selective recompute took from its cache
+
+        def mapped(sid: int) -> int:
+            return remap.get(sid, sid)
+
+        # the loop runs for every event of every simulation: what it reads is bound once here, and
+        # what depends only on the event's block (its checkpoint, its lazy block, the costs they
+        # charge) once per run of that block's events
+        event_node, event_outputs, event_saves = trace.event_node, trace.event_outputs, trace.event_saves
+        event_heavy, event_workspace, dies_at = facts.heavy, trace.event_forward_workspace, facts.dies_at
+        activation_outputs, sizes, first = facts.activation_outputs, facts.sizes, facts.first
+        nested_starts = self.nested_starts
+        alive, python_refs, storage_sizes, holders = self.alive, self.python_refs, self.storage_sizes, self.holders
+        event_cost, event_flops, timing = trace.event_cost, trace.event_flops, self.timing
+        scale, overheads = trace.option_scale, trace.overheads
+        recompute_scale = scale.get(options[region], 1.0)
+        idle = facts.recompute_idle if recompute else facts.forward_idle
+        top, dead_release_at = region == 0 and not recompute, facts.dead_release_at
+        node = ctx = lazy = -1
+        per_op_ns = save_scale = 0.0
+        caching = False
+        stashes_ending = 0  # RNG stashes that go as this recompute returns (``restash``)
+        for event in range(lo, hi + 1):
+            if event_node[event] != node:  # a block's events mostly run back to back
+                node = event_node[event]
+                ctx = self.context(node, region)
+                lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
+                caching = ctx >= 0 and options[ctx] == Option.SELECTIVE
+                # each op through torch's caching dispatch mode, or recorded (and rebuilt) as a recipe
+                per_op_ns = 0.0
+                if selective_recompute or caching:
+                    per_op_ns += overheads.selective_op_ns * scale.get(Option.SELECTIVE, 1.0)
+                if lazy >= 0:
+                    per_op_ns += overheads.lazy_op_ns * scale.get(Option.LAZY, 1.0)
+                save_scale = scale.get(options[ctx], 1.0) if ctx >= 0 and not recompute else 0.0
+            if idle[event] and not per_op_ns:  # only the clock moves (``TraceFacts.forward_idle``)
+                self.tick()
+                continue
+            if ctx >= 0 and event == first[ctx]:
+                self.enter_checkpoint(ctx, mapped)
+                if recompute:
+                    self.recomputed_nodes.add(ctx)
+            if nested_starts and event in nested_starts:
+                stashes_ending += self.restash(nested_starts[event], ctx, region, recompute)
+            cached = selective_recompute and event_heavy[event] and event <= cache_end
+            if cached:
+                handed += self.hand_over_cached(region, event_outputs[event])
+            else:
+                for sid in activation_outputs[event]:
+                    if recompute:
+                        new = self.new_storage(sizes[sid])
+                        remap[sid] = new
+                        sid = new
+                    alive.add(sid)  # allocated, referenced from Python
+                    python_refs.add(sid)
+                    self.mem += storage_sizes[sid]
+            saves = event_saves[event]
+            if timing:
+                if per_op_ns:
+                    self.recompute_cost += per_op_ns
+                if save_scale and saves:  # each save is packed, then unpacked from a recomputation
+                    self.recompute_cost += overheads.checkpoint_save_ns * len(saves) * save_scale
+                if recompute and not cached:
+                    self.recompute_cost += event_cost[event] * recompute_scale
+                    self.recompute_flops += event_flops[event]
+            if ctx < 0 and saves:
+                if lazy >= 0:
+                    self.event_holds[event] = self.hold_lazily(event, lazy)
+                else:
+                    self.event_holds[event] = self.hold([remap.get(s, s) for s in saves] if remap else saves)
+                    if recompute:
+                        self.recomputed_holds.add(event)
+            elif caching and event_heavy[event] and event <= facts.cache_end[ctx]:
+                self.node_cache[ctx].extend(self.hold([mapped(s) for s in event_outputs[event]]))
+            workspace = 0 if cached else event_workspace[event]
+            self.mem += workspace
+            self.tick()
+            self.mem -= workspace
+            for sid in dies_at[event]:
+                if remap:
+                    sid = remap.get(sid, sid)
+                python_refs.discard(sid)
+                if sid in alive and not holders.get(sid):  # ``maybe_free``, inlined
+                    alive.discard(sid)
+                    self.mem -= storage_sizes[sid]
+            if top and event in dead_release_at:  # dead branches' graphs go (``dead_branches``)
+                for dead in dead_release_at[event]:
+                    self.release(self.event_holds.pop(dead, []))
+        if recompute and hi < facts.last[region]:
+            stashes_ending += self.pack_at_stop(region, hi + 1, mapped)
+        kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
+        if recompute:  # the recomputed function's own results are dropped when it returns
+            self.mem -= stashes_ending * self.trace.checkpoint_state_bytes
+            for sid in [*remap.values(), *handed]:
+                if sid not in kept:
+                    self.python_refs.discard(sid)
+                    self.maybe_free(sid)
+        return kept
+
+    def charge(self, option: Option, nanoseconds: float) -> None:
+        """Add a cost of ``option``, scaled by what calibration measured against the model's estimate."""
+        if self.timing:
+            self.recompute_cost += nanoseconds * self.trace.option_scale.get(option, 1.0)
+
+    def enter_checkpoint(self, ctx: int, mapped: Callable[[int], int]) -> None:
+        """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward."""
+        self.charge(self.options[ctx], self.trace.overheads.checkpoint_call_ns)
+        held = self.hold([mapped(s) for s in self.trace.nodes[ctx].inputs])
+        if self.trace.checkpoint_state_bytes:
+            state = self.new_storage(self.trace.checkpoint_state_bytes)
+            self.alive.add(state)
+            self.mem += self.trace.checkpoint_state_bytes
+            held += self.hold([state])
+        self.node_inputs[ctx] = held
+        self.node_cache[ctx] = []
+
+    def hand_over_cached(self, block: int, sids: tuple[int, ...]) -> list[int]:
+        """A selective recompute reaches a cached op: torch pops its output from the cache and
+        hands it to the recomputed code, which then references it like an output it made; the
+        cache no longer holds it (it goes as soon as nothing else does). Returns the outputs."""
+        cache = self.node_cache.get(block, [])
+        handed = []
+        for sid in sids:
+            if sid in cache:
+                cache.remove(sid)
+                self.holders[sid] -= 1
+            if sid in self.alive and self.facts.is_activation[sid]:
+                self.python_refs.add(sid)
+                handed.append(sid)
+        return handed
+
+    def restash(self, blocks: list[int], ctx: int, region: int, recompute: bool) -> int:
+        """Nested checkpoints are called: each call stashes the RNG state, a CPU tensor its frame
+        keeps (a context's own stash is ``enter_checkpoint``'s). The top-level forward's frames
+        live until their block's backward is done (``release_stashes_inside``). A recompute's
+        frames are dropped when it returns, while the originals stay; from then on the context's
+        own stash stands in for its original. Returns how many stashes go as the recompute returns."""
+        state = self.trace.checkpoint_state_bytes
+        ending = 0
+        for block in blocks:
+            if block == region:
+                continue  # its own recompute runs the block's function, not its checkpoint
+            if not recompute:
+                self.mem += state
+                if block in self.stale_stashes:  # a block whose earlier call this one replaces
+                    self.tick()
+                    self.mem -= state
+                self.stale_stashes.add(block)
+            elif block != ctx:
+                self.mem += state
+                ending += 1
+            elif block in self.stale_stashes:
+                self.stale_stashes.discard(block)
+                ending += 1
+        return ending
+
+    def release_stashes_inside(self, block: int) -> None:
+        """The backward of ``block`` is done: stashes of checkpoints inside it that no recompute
+        replaced (it stopped before them) go with its frame."""
+        first, last = self.facts.first, self.facts.last
+        for inner in [b for b in self.stale_stashes if first[block] <= first[b] <= last[block]]:
+            self.stale_stashes.discard(inner)
+            self.mem -= self.trace.checkpoint_state_bytes
+
+    def pack_at_stop(self, region: int, stop: int, mapped: Callable[[int], int]) -> int:
+        """Hold what the event that ends a recomputation packs.
+
+        torch stops a recomputation at its last *pack*, and autograd packs an op's saved inputs
+        before the op runs (an inner checkpoint packs its inputs as it starts): the op itself is
+        not re-run, but what it packed stays in the checkpoint until its backward unpacks it.
+        Returns the RNG stashes that go as the recompute returns (``restash``).
+        """
+        facts, trace = self.facts, self.trace
+        ctx = self.context(trace.event_node[stop], region)
+        if ctx >= 0 and stop == facts.first[ctx]:
+            self.enter_checkpoint(ctx, mapped)
+            self.recomputed_nodes.add(ctx)
+            self.tick()  # its stash is allocated before the pack stops the recompute
+            if ctx in self.stale_stashes:  # its stash now stands in for the original's
+                self.stale_stashes.discard(ctx)
+                return 1
+        elif ctx < 0 and trace.event_saves[stop]:
+            self.event_holds[stop] = self.hold([mapped(s) for s in trace.event_saves[stop]])
+            self.recomputed_holds.add(stop)
+        return 0
+
+    def end_pass(self) -> None:
+        """The step's effects end the pass, then its leftover activation gradients go (a retained
+        pass's saves stay for the next)."""
+        self.effects.end_pass()
+        for sid in [s for s in self.grads if self.facts.is_activation[s]]:
+            self.free_grad(sid)
+        self.mem -= sum(self.pieces.values())
+        self.pieces = {}
+
+    def free_grad(self, sid: int) -> None:
+        """The gradient of ``sid`` is released (its buffer may live on in views of it)."""
+        if sid not in self.grads:
+            return
+        self.grads.discard(sid)
+        if sid in self.grad_view_of:
+            self.drop_grad_view(sid)
+        elif self.grad_views.get(sid):
+            self.grad_orphans.add(sid)  # its slices still point into the buffer
+        else:
+            self.mem -= self.facts.sizes[sid]
+
+    def release_or_retain(self, holds: list[int], recomputed: bool) -> list[int]:
+        """Release ``holds`` after their backward, unless a retained pass keeps them (what the
+        forward saved; recomputed tensors are dropped after use even then). Returns what stays."""
+        if self.pass_.retains_graph and not recomputed:
+            return holds
+        self.release(holds)
+        return []
+
+    def backward(self, region: int, lo: int, hi: int) -> None:
+        facts, trace = self.facts, self.trace
+        event_node, backward_event = trace.event_node, self.backward_event
+        idle = facts.top_backward_idle if region == 0 else facts.backward_idle
+        event, node, ctx = hi, -1, -1
+        while event >= lo:
+            if event_node[event] != node:  # a block's events mostly run back to back
+                node = event_node[event]
+                ctx = self.context(node, region)
+            if ctx < 0:
+                if idle[event]:  # only the clock moves (``TraceFacts.backward_idle``)
+                    self.tick()
+                else:
+                    backward_event(event)
+                event -= 1
+                continue
+            self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1
+            outer_region, self.region = self.region, ctx
+            defers = self.effects.defer_block(ctx, region)  # its inputs stay, for the effects to run it again
+            # torch forks the RNG around a recompute: a copy of the CPU state lives while it runs
+            self.mem += trace.checkpoint_state_bytes
+            self.forward(ctx, facts.first[ctx], self.early_stop_end(ctx), recompute=True)
+            self.mem -= trace.checkpoint_state_bytes
+            self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
+            self.backward(ctx, facts.first[ctx], facts.last[ctx])
+            recomputed = ctx in self.recomputed_nodes
+            self.recomputed_nodes.discard(ctx)
+            if defers:
+                self.effects.deferred_block_done(ctx)
+            else:
+                kept = self.release_or_retain(self.node_inputs.pop(ctx, []), recomputed)
+                if kept:
+                    self.node_inputs[ctx] = kept
+            if self.stale_stashes:
+                self.release_stashes_inside(ctx)
+            self.region = outer_region
+            event = facts.first[ctx] - 1
+
+    def early_stop_end(self, block: int) -> int:
+        """Last event a recompute of ``block`` runs, given the checkpoints inside it."""
+        facts, trace = self.facts, self.trace
+        first, last = facts.first[block], facts.last[block]
+        inner_starts = []
+        plain_last = first - 1
+        event_node, event_saves = trace.event_node, trace.event_saves
+        node = ctx = -1
+        for event in range(first, last + 1):
+            if event_node[event] != node:
+                node = event_node[event]
+                ctx = self.context(node, block)
+            if ctx >= 0 and event == facts.first[ctx]:
+                inner_starts.append(event)
+            if ctx < 0 and event_saves[event]:
+                plain_last = event
+        candidates = [facts.stop_after(first, plain_last)] if plain_last >= first else []
+        candidates += [start - 1 for start in inner_starts]
+        return max(candidates, default=first - 1)
+
+    def backward_event(self, event: int) -> None:
+        facts, sizes, event_facts = self.facts, self.facts.sizes, self.facts.backward_facts[event]
+        outputs, grads = event_facts.outputs, self.grads
+        viewing = (event_facts.slices_grad or event_facts.aliases_grad) and len(outputs) == 1 and outputs[0] in grads
+        rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0)) if self.rebuilds else (0, 0)  # every pass rebuilds
+        transient = event_facts.workspace + rebuilt
+        created = self.mem
+        for sid, size in event_facts.partial_grads:  # a gradient the size of the view read
+            self.pieces[sid] = self.pieces.get(sid, 0) + size
+            self.mem += size
+        merged = 0
+        if event_facts.is_view_op:  # the view op's backward merges the pieces into one gradient
+            merged = sum(self.pieces.pop(sid, 0) for sid in event_facts.inputs)
+        if event_facts.noted:  # what the step's effects compute at this layer in this pass
+            transient += self.effects.backward_transient(event)
+        for sid in event_facts.grads_created:
+            if sid in grads or not (self.pass_.parameter_gradients or facts.is_activation[sid]):
+                continue
+            grads.add(sid)
+            # an alias only where autograd hands the gradient on as it is: same size (no broadcast
+            # reduction), and not a parameter's (accumulated into its .grad)
+            if viewing and (event_facts.slices_grad or (facts.is_activation[sid] and sizes[sid] == sizes[outputs[0]])):
+                base = self.grad_view_of.get(outputs[0], outputs[0])
+                self.grad_view_of[sid] = base
+                self.grad_views[base] = self.grad_views.get(base, 0) + 1
+                if event_facts.slices_grad or outputs[0] in self.grad_slices:
+                    self.grad_slices.add(sid)
+            elif facts.is_activation[sid]:
+                self.mem += sizes[sid]
+            else:
+                self.wrote_parameter_gradients(sizes[sid])
+        if (
+            event_facts.needs_contiguous_grad and self.grad_slices
+        ):  # a slice-view gradient is copied to contiguous first
+            transient += sum(sizes[sid] for sid in outputs if sid in self.grad_slices)
+        for sid in event_facts.grads_accumulated:
+            if sid in self.grad_view_of:  # a second contribution: autograd sums into a new buffer
+                self.mem += sizes[sid]
+                self.drop_grad_view(sid)
+            elif not event_facts.passes_grad:
+                transient += sizes[sid]
+            if self.pass_.parameter_gradients and not facts.is_activation[sid]:
+                # a parameter's contributions are summed into a new buffer: measured for Linear
+                # weights and biases (the DiT embedding called twice); conv, norm and embedding
+                # weights sum in place, so there this over-counts one weight's bytes, briefly
+                transient += sizes[sid]
+        # the saved tensors are rebuilt (unpacked) before the op's backward allocates anything
+        transient = max(transient, rebuild_peak - (self.mem - created))
+        self.mem += transient
+        self.tick()
+        self.mem -= transient
+        holds = self.event_holds.pop(event, [])
+        recomputed = event in self.recomputed_holds
+        self.recomputed_holds.discard(event)
+        taken = event_facts.noted and self.effects.take_saves(event, holds, rebuilt)
+        if not taken and holds and (kept := self.release_or_retain(holds, recomputed)):
+            self.event_holds[event] = kept
+        self.mem -= merged  # the pieces die with the view op's backward
+        freed = event_facts.grads_freed
+        if self.pieces:
+            for sid in freed:  # pieces never merged (no view op in between)
+                self.mem -= self.pieces.pop(sid, 0)
+        for sid in freed:
+            if sid in grads and sid not in self.kept_grads:
+                self.free_grad(sid)
+
+    def drop_grad_view(self, sid: int) -> None:
+        self.grad_slices.discard(sid)
+        base = self.grad_view_of.pop(sid)
+        self.grad_views[base] -= 1
+        if not self.grad_views[base] and base in self.grad_orphans:
+            self.grad_orphans.discard(base)
+            self.mem -= self.facts.sizes[base]

@@ -72,6 +72,18 @@ def writes_input(op: Any) -> bool:
     return isinstance(op, OpOverload) and op_schema(op).is_mutable
 
 
+def parameter_table(module: torch.nn.Module) -> Any:
+    """The mapping of ``module``'s own registered parameters (``nn.Module._parameters``), which
+    attribute reads, ``parameters()`` and ``functional_call`` all go through."""
+    return module._parameters
+
+
+def set_parameter_table(module: torch.nn.Module, table: Any) -> None:
+    """Replace ``module``'s parameter mapping by ``table`` (a mapping that behaves as a dict): how
+    the DP engine sees every read of a parameter through its module."""
+    module._parameters = table
+
+
 def make_leaf_subclass(cls: type[torch.Tensor], data: torch.Tensor, requires_grad: bool) -> torch.Tensor:
     """A leaf tensor of subclass ``cls`` sharing ``data``'s storage; ``nn.Parameter`` is built the same way.
 

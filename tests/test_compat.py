@@ -200,3 +200,22 @@ def test_model_parallel_strategy_keeps_its_mesh_sizes_where_compat_sets_them() -
     assert hasattr(strategy, "_data_parallel_size") and hasattr(strategy, "_tensor_parallel_size")
     compat.make_data_parallel_only(strategy, 4)
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
+
+
+def test_a_modules_parameter_table_can_be_read_and_replaced() -> None:
+    layer = nn.Linear(2, 3)
+    table = compat.parameter_table(layer)
+    assert set(table) == {"weight", "bias"}
+
+    class Seen(dict):
+        reads: list[str] = []
+
+        def __getitem__(self, key: str) -> object:
+            self.reads.append(key)
+            return super().__getitem__(key)
+
+    compat.set_parameter_table(layer, Seen(table))
+    layer(torch.randn(1, 2))
+    assert "weight" in Seen.reads  # the forward read its weight through the replaced table
+    compat.set_parameter_table(layer, table)
+    assert compat.parameter_table(layer) is table

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_tbp.compat import storage_key
+from lightning_tbp.compat import parameter_table, set_parameter_table, storage_key
 from lightning_tbp.memory.meters import foreign_profiler_active, garbage_collection_held
 from lightning_tbp.privacy.coverage import (
     check_batch_norms,
@@ -184,7 +184,7 @@ class DPEngine:
         for slot in slots:
             slot.module.forward = functools.partial(self._tapped_forward, slot)
         for owner in self._survey.owners:
-            owner._parameters = TrackedParameters(owner._parameters, self)
+            set_parameter_table(owner, TrackedParameters(parameter_table(owner), self))
         return slots
 
     def _note_batch(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -317,8 +317,8 @@ class DPEngine:
         for slot in self._slots:
             slot.module.__dict__.pop("forward", None)
         for owner in self._survey.owners:
-            if isinstance(owner._parameters, TrackedParameters):
-                owner._parameters = owner._parameters.plain()
+            if isinstance(table := parameter_table(owner), TrackedParameters):
+                set_parameter_table(owner, table.plain())
         self._slots = []
         self._attached = False
         register_step_model(list(self.module.modules()), None)

@@ -25,12 +25,12 @@ from typing import Any
 import torch
 from common import grads_of, median_times_in_turns
 from dit_dp_bench import PROFILES, build_dit
-from zoo_models import BENCH_ONLY, ZOO, sample
 
 from lightning_tbp.environment import machine_info
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 from lightning_tbp.remat import Plan
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, ZOO, sample
 
 MODES = ("vanilla", "ghost", "bookkeeping")
 Forward = Callable[[torch.nn.Module], torch.Tensor]

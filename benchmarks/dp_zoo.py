@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from common import device_label, grads_of, measure_step, pyplot, write_result
-from zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
 from lightning_tbp.privacy import MODES, CoverageError, PerSampleLossError, attach
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
 
 BATCH = 4
 

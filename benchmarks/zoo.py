@@ -41,7 +41,6 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_label, grads_of, malloc_settings, max_rel_diff, pyplot, run_with_steady_malloc, timed_step
-from zoo_models import BENCH_ONLY, HELD_OUT, ZOO, ZooCase
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
@@ -49,6 +48,7 @@ from lightning_tbp.memory import measure_peak
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.flops import FLOP_FORMULAS
 from lightning_tbp.remat.solve import budget_for_peak
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO, ZooCase
 
 #: Batch per architecture: activations, not parameter gradients, dominate the step at these.
 BATCHES = {"unet2d": 2, "sdxl_unet": 8, "controlnet": 8, "vae": 2, "dit": 8, "pixart": 8, "sana": 2, "sd3": 8}

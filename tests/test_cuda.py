@@ -20,7 +20,8 @@ from lightning_tbp.memory.meters import allocator_peak
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from test_loop_truth import ZooModule, _assert_the_promise_holds, _fit, _main_job_module
-from zoo_models import ZOO
+
+from lightning_tbp.testing.zoo_models import ZOO
 
 pytestmark = [
     pytest.mark.cuda,

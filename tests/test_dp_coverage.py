@@ -13,10 +13,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import sys
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,10 +40,8 @@ from lightning_tbp.privacy import (
 )
 from lightning_tbp.remat import Option, Plan
 from lightning_tbp.remat.apply import InstalledWrappers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import BENCH_ONLY, HELD_OUT, ZOO
-from zoo_models import sample as zoo_sample
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO
+from lightning_tbp.testing.zoo_models import sample as zoo_sample
 
 B, T, D = 5, 4, 8  # no two alike, so a layout mix-up cannot pass for the batch
 

@@ -35,7 +35,7 @@ from lightning_tbp.privacy import attach
 from lightning_tbp.strategies.privacy import PrivacyConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import BENCH_ONLY, HELD_OUT, ZOO
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 0.05  # the promise: the naive peak within 5% of the exact measured one

@@ -11,8 +11,6 @@ That peak must be within the plan's budget and within 5% of its prediction.
 from __future__ import annotations
 
 import contextlib
-import sys
-from pathlib import Path
 
 import lightning as L
 import pytest
@@ -27,10 +25,8 @@ from lightning_tbp.diffusion.data import DigitsDataModule
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
 from lightning_tbp.remat.step import PriorGradients
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from zoo_models import ZOO
-from zoo_models import sample as zoo_sample
+from lightning_tbp.testing.zoo_models import ZOO
+from lightning_tbp.testing.zoo_models import sample as zoo_sample
 
 MAIN_JOB_UNET = {
     "sample_size": 16,

@@ -1,6 +1,6 @@
 """Plans keep their word: the measured peak stays under the budget, on models nobody tuned for.
 
-Each check plans a model from ``benchmarks/zoo_models.py`` and measures the real step with the
+Each check plans a model from ``lightning_tbp/testing/zoo_models.py`` and measures the real step with the
 exact CPU allocator meter. A joint text-image attention transformer (SD3's MMDiT) and a video
 transformer (CogVideoX) were the mispredicted ones; a DP engine attached to the module changes
 the step (two passes, a book of operands, a probe) and the plan must simulate that step too.
@@ -10,21 +10,17 @@ from __future__ import annotations
 
 import gc
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from models import ChunkedGate, WritesAndViews, max_relative_difference
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from models import ChunkedGate, WritesAndViews, max_relative_difference
-from zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
 
 TOLERANCE = 0.05  # measured within ±5% of predicted
 

@@ -3,6 +3,7 @@
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.plan import NothingToPlanWarning, Plan, ShapePlan, rematerialize
+from lightning_tbp.remat.pricing import priced_by_flops
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
 from lightning_tbp.remat.trace import record_trace
@@ -20,6 +21,7 @@ __all__ = [
     "Verification",
     "format_bytes",
     "parse_budget",
+    "priced_by_flops",
     "record_trace",
     "rematerialize",
 ]

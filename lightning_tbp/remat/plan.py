@@ -37,6 +37,7 @@ from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
 from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.pricing import price_by_flops, pricing_by_flops
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
 from lightning_tbp.remat.signature import (
@@ -251,8 +252,9 @@ class Plan:
         self._planning = True
         active = dict(self._active)
         self._active.clear()
+        by_flops = pricing_by_flops()
         # once per plan: option costs timed on the model's own blocks, from inputs the profile keeps
-        block_inputs = BlockInputs(self.module) if self._calibration is None else None
+        block_inputs = BlockInputs(self.module) if self._calibration is None and not by_flops else None
         try:
             start = time.perf_counter()
             trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call, block_inputs=block_inputs)
@@ -263,7 +265,11 @@ class Plan:
         finally:
             self._active.update(active)
             self._planning = False
-        trace.option_scale = self._calibration.option_scale
+        if by_flops:
+            price_by_flops(trace)
+        else:
+            assert self._calibration is not None
+            trace.option_scale = self._calibration.option_scale
         # a loss measured on an earlier signature's step, scaled to these outputs; else the assumed one
         loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes) or trace.assumed_loss_bytes
         profile = _Profile(

@@ -2,7 +2,7 @@
 # One entry point for a fresh machine with only Python 3.11:
 #   bash scripts/dev.sh main    -> environment + the main job (tbp fit -c configs/ddpm_unet_tiny.yaml:
 #                                  CPU DDPM run with the plan and memory reports, samples, export)
-#   bash scripts/dev.sh test    -> environment + lint + the whole test suite
+#   bash scripts/dev.sh test    -> environment + lint + type check + the whole test suite
 #   bash scripts/dev.sh verify  -> environment + lint + tests + small-profile benchmarks checked against
 #                                  benchmarks/verify.yaml; summary in outputs/verify/summary.json
 #   bash scripts/dev.sh env     -> only create/refresh the environment (.venv)
@@ -38,6 +38,7 @@ case "$cmd" in
   test)
     ensure_env
     "$VENV/bin/ruff" check .
+    "$VENV/bin/mypy"
     "$VENV/bin/python" -m pytest "$@" ;;
   verify)
     ensure_env

@@ -54,7 +54,7 @@ class LiveBytes(TorchDispatchMode):
         """Start a new peak from what is live now (the next phase of the step)."""
         self.peak = self.current
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {storage_key(t) for t in _tensors((args, kwargs))}
         for tensor in _tensors(out):

@@ -94,6 +94,11 @@ class MemoryBudget:
         return "auto"
 
 
+#: What a caller may pass as ``memory_budget``: bytes (int), a fraction of the naive peak (float),
+#: a size or "auto" (str: ``ACCEPTED_FORMS``), or a parsed budget.
+BudgetSpec = int | float | str | MemoryBudget
+
+
 def parse_budget(spec: object) -> MemoryBudget:
     """Parse a user-facing budget; raise ``ValueError`` naming the accepted forms."""
     if isinstance(spec, MemoryBudget):

@@ -79,7 +79,7 @@ class _RecipeRecorder(TorchDispatchMode):
             return None
         return entry[1]
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not traits_of(func).recomputable:

@@ -33,7 +33,7 @@ from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.memory.libraries import warm_library_workspaces
 from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
-from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
+from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
 from lightning_tbp.remat.options import Option
@@ -85,7 +85,7 @@ class Plan:
     def __init__(
         self,
         module: nn.Module,
-        memory_budget: object = "auto",
+        memory_budget: BudgetSpec = "auto",
         *,
         measure: bool = False,
         batch_ceiling: int | None = None,
@@ -440,7 +440,9 @@ def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
-def rematerialize(module: nn.Module, *example_args: Any, memory_budget: object = "auto", **example_kwargs: Any) -> Plan:
+def rematerialize(
+    module: nn.Module, *example_args: Any, memory_budget: BudgetSpec = "auto", **example_kwargs: Any
+) -> Plan:
     """Install a rematerialization plan on ``module`` in place and return it.
 
     ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is

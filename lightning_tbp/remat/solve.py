@@ -285,12 +285,12 @@ class Solver:
         return best[1], best[2]
 
     def _singleton_prices(self, naive: SimResult) -> dict[tuple[int, Option], tuple[float, float]]:
-        """(cost, bytes freed at the end of the forward) of each option alone, from one holdings."""
+        """(cost, bytes freed at the end of the forward) of each option alone, from one reading of the holdings."""
         if self._prices is not None:
             return self._prices
         holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
         freed_full, lca = self._releasable_bytes(holdings)
-        prices = {}
+        prices: dict[tuple[int, Option], tuple[float, float]] = {}
         for node in self.nodes[1:]:
             if not node.has_events:
                 continue

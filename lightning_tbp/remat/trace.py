@@ -623,8 +623,8 @@ def _scale_to_framework(trace: Trace, forward_ns: float, block_ns: list[float]) 
         return
     wall = [forward_ns, *block_ns]
     own_events: list[list[int]] = [[] for _ in nodes]
-    for event, node in enumerate(trace.event_node):
-        own_events[node].append(event)
+    for event, owner in enumerate(trace.event_node):
+        own_events[owner].append(event)
     for node in nodes:
         alone = sum(trace.event_cost[e] for e in own_events[node.index])
         spent = wall[node.index] - sum(wall[child] for child in node.children)

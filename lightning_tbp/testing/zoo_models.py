@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import override
 
 from lightning_tbp.compat import tree_map
 
@@ -140,6 +141,7 @@ class _ControlNetOutputs(nn.Module):
         super().__init__()
         self.controlnet = _controlnet()
 
+    @override
     def forward(self, sample, timestep, encoder_hidden_states, controlnet_cond):
         out = self.controlnet(sample, timestep, encoder_hidden_states, controlnet_cond, return_dict=False)
         down, mid = out

@@ -106,10 +106,11 @@ class DPStepModel(StepModel):
     def extra_ns(self, trace: Trace) -> float:
         """The engine's per-layer norms and clipped sums in the passes that compute them
         (bookkeeping forms its sums from the book)."""
+        taps = _taps(trace)
         return sum(
             tap.norm_ns * ("norm" in p.tap_transient) + tap.sum_ns * ("sum" in p.tap_transient or p.books_taps)
             for p in self.passes
-            for tap in _taps(trace)
+            for tap in taps
         )
 
 

@@ -252,7 +252,7 @@ class _Recorder(TorchDispatchMode):
         # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
         # the parameter's storage but gets no gradient from the op's backward
         needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in _tensors((args, kwargs))]
-        self.calibrator.note(event, func, args, kwargs, needs_grad, output_sids, workspace=flops > 0 and grad_flows)
+        self.calibrator.note(event, func, args, kwargs, needs_grad, output_sids, workspace=traits.heavy and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
         trace.event_partial_inputs.append(partial)

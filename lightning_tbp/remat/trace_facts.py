@@ -139,10 +139,6 @@ class TraceFacts:
             producer = trace.storage_producer[sid]
             if producer >= 0:
                 self.grads_freed[producer].append(sid)
-        self.slices_grad = [traits.hand_off is GradientHandOff.SLICES for traits in trace.event_traits]
-        self.aliases_grad = [traits.hand_off is GradientHandOff.ALIASES for traits in trace.event_traits]
-        self.passes_grad = [traits.passes_grad for traits in trace.event_traits]
-        self.needs_contiguous_grad = [traits.contiguous_grad for traits in trace.event_traits]
         # Where a recomputation of a plain block stops: torch ends it at the last saved tensor. A
         # saved input is packed *before* its op runs, so if the last save holds only inputs the op
         # itself is not re-run. A selective block caches heavy outputs up to that point only.
@@ -163,10 +159,10 @@ class TraceFacts:
                 partial_grads=self.partial_grads[event],
                 is_view_op=self.is_view_op[event],
                 noted=event in noted,
-                slices_grad=self.slices_grad[event],
-                aliases_grad=self.aliases_grad[event],
-                needs_contiguous_grad=self.needs_contiguous_grad[event],
-                passes_grad=self.passes_grad[event],
+                slices_grad=trace.event_traits[event].hand_off is GradientHandOff.SLICES,
+                aliases_grad=trace.event_traits[event].hand_off is GradientHandOff.ALIASES,
+                needs_contiguous_grad=trace.event_traits[event].contiguous_grad,
+                passes_grad=trace.event_traits[event].passes_grad,
                 grads_created=self.grads_created[event],
                 grads_accumulated=self.grads_accumulated[event],
                 grads_freed=self.grads_freed[event],
@@ -245,4 +241,4 @@ class TraceFacts:
         """Heavy ops a selective checkpoint of ``node`` caches (see ``cache_end``)."""
         trace = self.trace
         first = trace.nodes[node].first_event
-        return sum(trace.event_traits[e].heavy for e in range(first, self.cache_end[node] + 1))
+        return sum(self.heavy[e] for e in range(first, self.cache_end[node] + 1))

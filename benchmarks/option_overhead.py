@@ -25,8 +25,8 @@ from remat_pareto import build
 from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.trace import record_trace
 
 OPTIONS = {"naive": None, "full": Option.FULL, "selective": Option.SELECTIVE, "lazy": Option.LAZY}
 

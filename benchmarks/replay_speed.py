@@ -28,9 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_tbp.environment import machine_info
 from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
-from lightning_tbp.remat.trace import record_trace
 from lightning_tbp.testing.zoo_models import BENCH_ONLY, ZOO
 
 PLANS, MAX_MOVES, PASSES = 60, 12, 3

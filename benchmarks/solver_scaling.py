@@ -21,9 +21,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_tbp.environment import machine_info
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
-from lightning_tbp.remat.trace import record_trace
 
 
 class Block(nn.Module):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils
@@ -120,12 +120,12 @@ def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
 
 def conv_forward(module: torch.nn.Module, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> Any:
     """A Conv layer's own forward with the given weight: its padding modes stay exactly as the layer applies them."""
-    return module._conv_forward(x, weight, bias)
+    return cast(Any, module)._conv_forward(x, weight, bias)
 
 
 def conv_explicit_padding(module: torch.nn.Module) -> tuple[int, ...]:
     """The padding a Conv layer applies with ``F.pad`` itself (non-zero padding modes, 'same')."""
-    return module._reversed_padding_repeated_twice
+    return tuple(cast(Any, module)._reversed_padding_repeated_twice)
 
 
 @contextlib.contextmanager
@@ -164,7 +164,7 @@ def fake_module_support() -> Iterator[None]:
         return memo[id(tensor)]
 
     torch.utils.swap_tensors = swap_or_set_data
-    FakeTensor.__deepcopy__ = fresh_copy
+    FakeTensor.__deepcopy__ = fresh_copy  # type: ignore[method-assign,assignment]  # patched for the block only
     try:
         yield
     finally:
@@ -201,6 +201,15 @@ def make_data_parallel_only(strategy: Any, world_size: int) -> None:
     processes of a node a tensor-parallel group."""
     strategy._data_parallel_size = world_size
     strategy._tensor_parallel_size = 1
+
+
+def broadcast_module_states(module: torch.nn.Module) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank, as DDP's constructor does (a DP
+    run that wraps no module in DDP still needs every rank to start from the same weights):
+    Lightning's helper for it is private."""
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)
 
 
 def profiler_enabled() -> bool:

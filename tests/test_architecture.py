@@ -73,7 +73,7 @@ def test_each_op_has_one_set_of_traits(op, expected) -> None:
 
 
 def test_traced_events_carry_the_traits_of_their_ops() -> None:
-    from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.record import record_trace
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU(), torch.nn.Linear(8, 8))
     trace = record_trace(model, (torch.randn(4, 8),), {}, measure=False)

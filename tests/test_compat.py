@@ -202,6 +202,19 @@ def test_model_parallel_strategy_keeps_its_mesh_sizes_where_compat_sets_them() -
     assert (strategy._data_parallel_size, strategy._tensor_parallel_size) == (4, 1)
 
 
+def test_module_states_are_broadcast_from_rank_0(tmp_path) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        layer = nn.Linear(2, 3)
+        before = layer.weight.detach().clone()
+        compat.broadcast_module_states(layer)
+        assert torch.equal(layer.weight, before)  # one rank: its own weights
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_modules_parameter_table_can_be_read_and_replaced() -> None:
     layer = nn.Linear(2, 3)
     table = compat.parameter_table(layer)

@@ -169,7 +169,7 @@ def test_a_layer_with_adapters_is_one_layer_to_the_planner() -> None:
     the planner's candidate blocks stay those of the plain model, and a plan on the adapted
     model trains its adapters exactly."""
     from lightning_tbp import rematerialize
-    from lightning_tbp.remat.trace import candidate_modules
+    from lightning_tbp.remat.record import candidate_modules
 
     torch.manual_seed(0)
     model = tiny_cond_unet()

@@ -278,9 +278,9 @@ def test_planning_in_the_forward_runs_the_module_hooks_once() -> None:
 
 def test_long_runs_are_timed_once(monkeypatch) -> None:
     """Profiling repeats a timing only where a run is short enough for a hiccup to matter: an
-    op (``best_ns``) and the whole real forward (``_time_forward``) at or above their thresholds
+    op (``best_ns``) and the whole real forward (``time_forward``) at or above their thresholds
     run once (for an op, its timed warm-up is that run), below them best of two."""
-    from lightning_tbp.remat import calibrate, trace
+    from lightning_tbp.remat import calibrate, forward_timing
 
     cpu = torch.device("cpu")
     runs: list[int] = []
@@ -302,11 +302,11 @@ def test_long_runs_are_timed_once(monkeypatch) -> None:
     model.register_forward_hook(lambda *_: forwards.append(1))
     candidates = {block: f"{i}" for i, block in enumerate(model)}
     args = (torch.randn(8, 16),)
-    _, per_block = trace._time_forward(model, candidates, args, {}, False, [])
+    _, per_block = forward_timing.time_forward(model, candidates, args, {}, False, [])
     assert len(forwards) == 2 and len(per_block) == len(candidates)
-    monkeypatch.setattr(trace, "SINGLE_FORWARD_NS", 0)
+    monkeypatch.setattr(forward_timing, "SINGLE_FORWARD_NS", 0)
     forwards.clear()
-    _, per_block = trace._time_forward(model, candidates, args, {}, False, [])
+    _, per_block = forward_timing.time_forward(model, candidates, args, {}, False, [])
     assert len(forwards) == 1 and len(per_block) == len(candidates) and all(t > 0 for t in per_block)
 
 

@@ -20,6 +20,7 @@ from models import ChunkedGate, WritesAndViews, max_relative_difference
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
+from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO, sample
 
 TOLERANCE = 0.05  # measured within ±5% of predicted
@@ -45,13 +46,13 @@ def _predicted_and_measured(model, x: torch.Tensor, planned: dict, step) -> tupl
     model of ``model`` and the assumed loss, and ``step``'s metered peak with those blocks wrapped."""
     from lightning_tbp.remat.apply import InstalledWrappers
     from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.step import step_model_for
-    from lightning_tbp.remat.trace import record_trace
 
     trace = record_trace(model, (x,), {})
     options = [planned.get(node.path, Option.KEEP) for node in trace.nodes]
-    predicted = Simulator(trace, step_model_for(model), trace.assumed_loss_bytes).run(options).peak_bytes
+    predicted = Simulator(trace, step_model_for(model), assumed_loss_bytes(trace.output_specs)).run(options).peak_bytes
     wrappers = InstalledWrappers(model, planned, {})
     wrappers.ensure(planned)
     try:
@@ -334,9 +335,9 @@ def test_no_plan_costs_more_than_uniform_checkpointing_that_fits_the_same_budget
     """What diffusers' ``enable_gradient_checkpointing()`` does (every block of a kind in full) is
     a candidate: at a budget it fits (its peak plus the planning margin), the solver's plan
     predicts no more recomputation than it."""
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
-    from lightning_tbp.remat.trace import record_trace
 
     case = ZOO[name].case(batch=2)
     solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
@@ -355,9 +356,9 @@ def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
     pruning only undoes or softens; refining splits each coarse decision into its child blocks and
     prunes those, so at a budget the coarse plan fits with room, the result fits and costs less."""
     from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import Solver
-    from lightning_tbp.remat.trace import record_trace
 
     case = ZOO["vae"].case(batch=2)
     solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)))
@@ -376,9 +377,9 @@ def test_a_coarse_plan_is_refined_into_a_cheaper_one_that_still_fits() -> None:
 def test_the_minimum_budget_named_is_accepted_and_no_uniform_plan_goes_lower(name: str) -> None:
     """The lowest budget an InfeasibleBudgetError names is a promise too: retried, it plans; and
     no plan the user could make by checkpointing every block of a kind peaks below it."""
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
     from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
-    from lightning_tbp.remat.trace import record_trace
 
     case = ZOO[name].case(batch=2)
     minimum = _lowest_budget(case.model, case.args, case.kwargs)
@@ -412,7 +413,7 @@ def _trace_priced_by_flops(name: str, option_scale: dict | None = None):
     """A zoo model's trace (measured sizes and workspaces) with op costs set from FLOPs (1 GFLOP/s,
     2 us per op) and no measured overheads: the solver's searches on it are deterministic."""
     from lightning_tbp.remat.overheads import StepOverheads
-    from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.record import record_trace
 
     case = ZOO[name].case(batch=2)
     trace = record_trace(case.model, case.args, case.kwargs)
@@ -481,7 +482,7 @@ def test_blocks_are_calibrated_on_inputs_the_profiles_timed_forward_kept() -> No
     from lightning_tbp.compat import tree_flatten
     from lightning_tbp.remat.calibrate_blocks import BlockInputs, calibrate
     from lightning_tbp.remat.options import Option
-    from lightning_tbp.remat.trace import record_trace
+    from lightning_tbp.remat.record import record_trace
 
     case = ZOO["unet2d"].case(batch=2)
     model, options = case.model, (Option.FULL, Option.SELECTIVE, Option.LAZY)
@@ -520,7 +521,8 @@ def test_each_block_is_priced_at_its_measured_forward() -> None:
     child blocks) share what its real forward spent beyond its children's, the ops outside every
     block the rest of the whole forward; so every block's ops sum to its measured forward. A
     block measured faster than its children (timing noise) is clipped, not priced negative."""
-    from lightning_tbp.remat.trace import FRAMEWORK_FACTOR_RANGE, Node, Trace, _scale_to_framework
+    from lightning_tbp.remat.forward_timing import FRAMEWORK_FACTOR_RANGE, scale_to_framework
+    from lightning_tbp.remat.trace import Node, Trace
 
     def trace() -> Trace:
         t = Trace(event_node=[0, 1, 2, 2, 1, 3, 3, 0], event_cost=[1.0] * 8)
@@ -533,16 +535,16 @@ def test_each_block_is_priced_at_its_measured_forward() -> None:
         return t
 
     priced = trace()
-    _scale_to_framework(priced, 20.0, [8.0, 3.0, 4.0])  # block walls in call order: a, a.x, b
+    scale_to_framework(priced, 20.0, [8.0, 3.0, 4.0])  # block walls in call order: a, a.x, b
     assert priced.event_cost == [4.0, 2.5, 1.5, 1.5, 2.5, 2.0, 2.0, 4.0]
     assert sum(priced.event_cost[1:5]) == 8.0 and sum(priced.event_cost) == 20.0
 
     noisy = trace()
-    _scale_to_framework(noisy, 20.0, [2.0, 3.0, 4.0])  # "a" timed below its child "a.x"
+    scale_to_framework(noisy, 20.0, [2.0, 3.0, 4.0])  # "a" timed below its child "a.x"
     assert noisy.event_cost[1] == noisy.event_cost[4] == FRAMEWORK_FACTOR_RANGE[0]
 
     branched = trace()  # the timing forward made other calls than the profile: one factor for all
-    _scale_to_framework(branched, 16.0, [8.0, 3.0])
+    scale_to_framework(branched, 16.0, [8.0, 3.0])
     assert branched.event_cost == [2.0] * 8
 
 
@@ -729,8 +731,8 @@ def test_a_dead_branch_is_freed_in_the_forward_and_never_backpropagated() -> Non
     """Autograd frees what a branch no output uses saved when its outputs die, and never runs its
     backward: the prediction follows (it ran 11% high on a Flux whose last text stream is dead)."""
     from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
-    from lightning_tbp.remat.trace import record_trace
     from lightning_tbp.remat.trace_facts import dead_branches
 
     torch.manual_seed(0)
@@ -748,7 +750,8 @@ def test_a_dead_branch_is_freed_in_the_forward_and_never_backpropagated() -> Non
 
     measured = _measured(model, step)
     model.zero_grad(set_to_none=True)
-    predicted = Simulator(trace, loss_bytes=trace.assumed_loss_bytes).run([Option.KEEP] * len(trace.nodes))
+    loss_bytes = assumed_loss_bytes(trace.output_specs)
+    predicted = Simulator(trace, loss_bytes=loss_bytes).run([Option.KEEP] * len(trace.nodes))
     assert abs(measured / predicted.peak_bytes - 1) <= 0.01, (measured, predicted.peak_bytes)  # was 16% high
 
 
@@ -783,8 +786,8 @@ def test_nested_checkpoints_rng_stashes_are_predicted(planned: tuple[str, ...]) 
     own recompute ran: one stash too many at the peak, 5% of a one-block Flux)."""
     from lightning_tbp.remat.apply import InstalledWrappers
     from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.record import record_trace
     from lightning_tbp.remat.simulate import Simulator
-    from lightning_tbp.remat.trace import record_trace
 
     torch.manual_seed(0)
     model, x = _Nest(), torch.randn(4, 8)
@@ -797,7 +800,7 @@ def test_nested_checkpoints_rng_stashes_are_predicted(planned: tuple[str, ...]) 
     finally:
         wrappers.remove()
     options = [Option.FULL if node.path in planned else Option.KEEP for node in trace.nodes]
-    predicted = Simulator(trace, loss_bytes=trace.assumed_loss_bytes).run(options).peak_bytes
+    predicted = Simulator(trace, loss_bytes=assumed_loss_bytes(trace.output_specs)).run(options).peak_bytes
     assert abs(measured / predicted - 1) <= 0.01, (measured, predicted)
 
 

@@ -104,7 +104,8 @@ class MemoryProfilerCallback(Callback):
         self._reset()
         self._device = trainer.strategy.root_device
         self._meter = stage_meter_for(self._device)
-        if self._device.type == "cpu" and isinstance(trainer.profiler, PyTorchProfiler):
+        profiler = trainer.profiler  # type: ignore[attr-defined]  # set by Lightning's profiler connector
+        if self._device.type == "cpu" and isinstance(profiler, PyTorchProfiler):
             raise ValueError(
                 "MemoryProfilerCallback meters CPU memory with torch.profiler, which cannot run inside the "
                 "Trainer's PyTorchProfiler: use one of the two"
@@ -284,6 +285,7 @@ class MemoryProfilerCallback(Callback):
             self._meter.abort()
         self._sampling = False
         if isinstance(exception, torch.OutOfMemoryError) and self._device.type == "cuda" and self._ready:
+            assert self.output_dir is not None  # set in setup
             path = self.output_dir / f"oom_snapshot_rank{trainer.global_rank}.pickle"
             dump_cuda_memory_snapshot(str(path))
             print(f"MemoryProfilerCallback: CUDA out of memory; allocator snapshot written to {path}", flush=True)

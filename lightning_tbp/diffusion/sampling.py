@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,7 +36,9 @@ def sample(
     """
     if sampler not in ("ddim", "ddpm"):
         raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
-    scheduler = (DDIMScheduler if sampler == "ddim" else DDPMScheduler).from_config(train_scheduler.config)
+    scheduler = (DDIMScheduler if sampler == "ddim" else DDPMScheduler).from_config(
+        cast(Any, train_scheduler).config
+    )  # diffusers' ConfigMixin sets it
     scheduler.set_timesteps(steps)
     device = next(model.parameters()).device
     x = torch.randn(shape, generator=generator, device="cpu").to(device)

@@ -40,10 +40,11 @@ from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import state_tensors
 from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
-from lightning_tbp.remat.trace import Trace, record_trace
+from lightning_tbp.remat.trace import Trace
 
 
 class StepNeedsValuesError(ValueError):

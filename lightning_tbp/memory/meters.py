@@ -207,8 +207,12 @@ class _CpuSessions:
         events are read: they point into it)."""
         events = result.events()
         by_key = {region.key: region for region in self._regions}
-        marks = [(e.start_ns(), 0, int(e.name()[len(_MARK) :])) for e in events if e.name().startswith(_MARK)]
-        allocations = [(at, nbytes, None) for at, nbytes in cpu_memory_events(events)]
+        marks: list[tuple[int, int, int | None]] = [
+            (e.start_ns(), 0, int(e.name()[len(_MARK) :])) for e in events if e.name().startswith(_MARK)
+        ]
+        allocations: list[tuple[int, int, int | None]] = [
+            (at, nbytes, None) for at, nbytes in cpu_memory_events(events)
+        ]
         level = self._level
         # a stable sort: an allocation at a mark's very nanosecond counts before it
         for _, nbytes, key in sorted(allocations + marks, key=lambda event: event[0]):

@@ -12,6 +12,7 @@ batches, slowed by the CPU meter's profiler), ``machine``.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -127,7 +128,7 @@ def write_run_record(record: dict[str, Any], path: Path) -> Path:
     return path
 
 
-def load_run_record(path: str | Path) -> dict[str, Any]:
+def load_run_record(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a run record, refusing files that lack the keys the report needs."""
     path = Path(path)
     if not path.is_file():

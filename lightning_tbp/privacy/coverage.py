@@ -30,6 +30,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -84,7 +85,7 @@ def survey(module: nn.Module) -> Survey:
         for param_name, param in own.items():
             if param_name not in handled:
                 found.tracked_only.setdefault(id(param), why if handler is None else "not one of its layer's own")
-        if handled:
+        if handler is not None and handled:
             if "forward" in sub.__dict__:
                 raise CoverageError(
                     f"module {name!r} already has an instance-level forward (another wrapper?); attach DP to the "
@@ -143,7 +144,7 @@ def survey_graph(loss: Tensor, found: Survey, engine: object) -> GraphSurvey:
         elif use is not None and getattr(use, "owner", None) is engine:
             uses.append(use)
         elif type(node).__name__ == "AccumulateGrad":
-            variable = node.variable
+            variable = cast(Any, node).variable  # AccumulateGrad's leaf
             if isinstance(variable, TrackedTensor):
                 for param in variable._params:
                     leaks[id(param)] = f"{consumer}, which received it without passing through torch functions"

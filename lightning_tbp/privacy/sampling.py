@@ -14,7 +14,7 @@ micro-batches, so their optimizer steps stay in lock-step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -118,7 +118,9 @@ def poisson_loader(
             "DP needs the train DataLoader's batch_size (the expected micro-batch size) to set the "
             "sampling rate; a loader with a custom batch_sampler has none"
         )
-    dataset: Dataset = loader.dataset
+    dataset = loader.dataset
+    if not isinstance(dataset, Sized):
+        raise ValueError("DP needs a dataset with a length (``len(dataset)``) to set the sampling rate")
     num_samples = len(dataset)
     logical = loader.batch_size * micro_batches * world_size
     if logical > num_samples:

@@ -4,9 +4,9 @@ from lightning_tbp.remat.budget import MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.plan import NothingToPlanWarning, Plan, ShapePlan, rematerialize
 from lightning_tbp.remat.pricing import priced_by_flops
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
-from lightning_tbp.remat.trace import record_trace
 from lightning_tbp.remat.verify import Verification
 
 __all__ = [

@@ -61,14 +61,14 @@ def _checkpointed_forward(
         if option == Option.LAZY:
             with lazy_recompute(), inside_planned_block():
                 return original(*args, **kwargs)
-        extra = {}
+        extra: dict[str, Any] = {}
         if option == Option.SELECTIVE:
             limit = cache_limits[path]
             extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
         call, tensors = _positional_call(original, args, kwargs)
         recorder = recorder_for(module) if option == Option.FULL else None
         recorded = CheckpointedCall.capture(path, call, tensors) if recorder is not None else None
-        if recorded is None or not recorder.record_checkpoint(recorded):
+        if recorded is None or recorder is None or not recorder.record_checkpoint(recorded):
             return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)
         with recording(recorded):
             outputs = checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True)

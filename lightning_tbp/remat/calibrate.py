@@ -6,7 +6,7 @@ dtypes, arguments) of the trace is run on its own, without gradients, and timed 
 runs after a warm-up; CUDA synchronised); pure views cost nothing and are not run.
 Each op's backward is timed the same way (random output gradients), so the naive step's time
 is predicted from its parts too. Forward times are then scaled to the real forward of the block
-around each op (``trace._scale_to_framework``): recomputation runs in the framework, with its
+around each op (``forward_timing.scale_to_framework``): recomputation runs in the framework, with its
 Python and autograd work; what the plan options add beyond their ops is ``overheads.py``'s.
 
 **Workspace.** Convolution and matmul kernels allocate temporaries beyond the tensors they return (weight and
@@ -295,10 +295,11 @@ def _measure_op(
             torch.autograd.grad(outs, inputs, grads, retain_graph=True, allow_unused=True)
 
         grads = [_random_like(o) for o in outs]
-        first_ns = None
+        backward_first_ns: float | None = None
         if metered:
             grad_bytes = sum(x.numel() * x.element_size() for x in inputs)
-            first_ns, reading = first_run(backward, device)
+            backward_first_ns, reading = first_run(backward, device)
+            assert reading is not None  # metered
             backward_workspace = max(0, reading.peak_bytes - grad_bytes)
             if any(mixed and _channels_last(g) for g, mixed in zip(grads, summed, strict=True)):
                 # A channels-last output read by several ops gets the sum of their gradients, which is
@@ -312,9 +313,10 @@ def _measure_op(
                     torch.autograd.grad(outs, inputs, dense, retain_graph=True, allow_unused=True)
 
                 _, reading = first_run(dense_backward, device)
+                assert reading is not None
                 backward_workspace = max(backward_workspace, reading.peak_bytes - grad_bytes)
         if timed:
-            backward_ns = best_ns(backward, device, warm_up_ns=first_ns)
+            backward_ns = best_ns(backward, device, warm_up_ns=backward_first_ns)
     except (RuntimeError, IndexError, ValueError):  # data-dependent ops fail on random data: keep what ran
         return forward_ns, backward_ns, forward_workspace, backward_workspace
     return forward_ns, backward_ns, forward_workspace, backward_workspace

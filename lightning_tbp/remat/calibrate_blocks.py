@@ -22,10 +22,11 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten, tree_map
 from lightning_tbp.remat.apply import InstalledWrappers
+from lightning_tbp.remat.forward_timing import frozen_buffers
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.overheads import timed_ns
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.trace import Trace, frozen_buffers
+from lightning_tbp.remat.trace import Trace
 
 #: Block classes calibrated (the commonest first).
 CLASSES = 2
@@ -145,7 +146,8 @@ def _time_block(
         output = block(*block_args, **block_kwargs)
         outputs = [o for o in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]]
         loss = sum(o.float().square().mean() for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad)
-        torch.autograd.grad(loss, leaves + params, allow_unused=True)
+        assert isinstance(loss, torch.Tensor), "a block chosen for calibration has an output that needs a gradient"
+        torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
 
     samples: dict[Option, list[float]] = {option: [] for option in (Option.KEEP, *options)}
     try:

@@ -5,7 +5,8 @@ outputs are a sizeable share of its step it decides the peak (``docs/design.md``
 A metered step measures the real one (``verify.StepMeter``); until then a plan assumes the loss
 of diffusion training: the mean squared error of the first output, in float, to a target of its
 shape, per sample and then over the batch, as ``DiffusionModule`` computes it. Assumed, but
-measured: that loss is run once on stand-ins of the output under the exact allocator meter.
+measured: that loss is run once on stand-ins of the output (``Trace.output_specs``) under the exact
+allocator meter, by the plan, above the trace.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ def assumed_loss_bytes(outputs: list[TensorSpec]) -> int:
     first = next((o for o in outputs if o.needs_grad and o.dtype.is_floating_point), None)
     if first is None or not can_meter(first.device):
         return 0
-    prediction = first.materialise()
-    target = TensorSpec(first.shape, first.stride, torch.float32, first.device).materialise()
+    devices = [first.device.index or 0] if first.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):  # stand-in values must not shift the run's random stream
+        prediction = first.materialise()
+        target = TensorSpec(first.shape, first.stride, torch.float32, first.device).materialise()
     with garbage_collection_held(collect=False), allocator_peak(first.device) as reading:
         squared_error = F.mse_loss(prediction.float(), target, reduction="none")
         sample_means = squared_error.flatten(1).mean(dim=1) if squared_error.dim() > 1 else squared_error

@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
@@ -67,7 +68,7 @@ def _measure(device: torch.device) -> StepOverheads:
     def plain(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
         return lambda: fn(x).sum().backward()
 
-    def checkpointed(fn: Callable[[torch.Tensor], torch.Tensor], **extra: object) -> Callable[[], None]:
+    def checkpointed(fn: Callable[[torch.Tensor], torch.Tensor], **extra: Any) -> Callable[[], None]:
         return lambda: checkpoint(fn, x, use_reentrant=False, **extra).sum().backward()
 
     def lazily() -> None:

@@ -1,7 +1,7 @@
 """The public entry point: ``rematerialize(module, *example_args, memory_budget=...)``.
 
 A :class:`Plan` lives on one module. On each forward that builds a graph it looks at the shape
-signature of the inputs; a new signature is profiled (memory-safely, see ``trace.py``), solved
+signature of the inputs; a new signature is profiled (memory-safely, see ``record.py``), solved
 (``shape_plan.py``) and cached, and the checkpoint wrappers switch to that signature's options.
 ``remove()`` takes every wrapper and hook off again.
 
@@ -23,6 +23,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,8 +37,10 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
+from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.pricing import price_by_flops, pricing_by_flops
+from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.report import format_report, shape_plan_dict
 from lightning_tbp.remat.shape_plan import NothingToPlanWarning, ShapePlan, solve_shape
 from lightning_tbp.remat.signature import (
@@ -50,7 +53,7 @@ from lightning_tbp.remat.signature import (
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
 from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, step_model_for
-from lightning_tbp.remat.trace import Trace, record_trace
+from lightning_tbp.remat.trace import Trace
 from lightning_tbp.remat.verify import StepMeter, StepReading, Verification
 
 log = logging.getLogger("lightning_tbp")
@@ -144,30 +147,30 @@ class Plan:
         """Profile, solve and activate the plan for this call's input signature (cached)."""
         batch = batch_size_of(args, kwargs)
         key = self._key(args, kwargs)
-        shape_plan = self.shape_plans.get(key)
-        fresh = shape_plan is None
-        if fresh:
+        planned = self.shape_plans.get(key)
+        fresh = planned is None
+        if planned is None:
             plan_args, plan_kwargs = (
                 (args, kwargs) if self.batch_ceiling is None else expand_batch(args, kwargs, self.batch_ceiling)
             )
             signature = input_signature(plan_args, plan_kwargs)
             warm_library_workspaces(_device_of(self.module, args, kwargs))  # held from now on, not a step's
             try:
-                shape_plan = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
+                planned = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
             finally:
                 release_random_tiles()  # the stand-ins' values, no longer needed
-            self.shape_plans[key] = shape_plan
-            log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(shape_plan))
+            self.shape_plans[key] = planned
+            log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(planned))
         elif self.batch_ceiling is not None:
             self._check_ceiling(batch)
         if self.measure and (fresh or key in self._meter_next):
             self._meter_next.discard(key)
-            self._metered, self._metered_batch = shape_plan, batch  # checked after this step (metered if it can be)
+            self._metered, self._metered_batch = planned, batch  # checked after this step (metered if it can be)
             # a batch below the profiled ceiling (Poisson sampling) is checked against the budget only
             if self._comparable_step():
                 self._meter.start(_device_of(self.module, args, kwargs))
-        self._activate(shape_plan)
-        return shape_plan
+        self._activate(planned)
+        return planned
 
     def _key(self, args: tuple, kwargs: dict) -> Signature:
         return input_signature(args, kwargs) if self.batch_ceiling is None else batch_free_signature(args, kwargs)
@@ -233,7 +236,7 @@ class Plan:
             profile = self._profiles[key]
             profile.solver = self._solver(profile.trace, profile.solver.sim.loss_bytes)
             solved = self._agreed(
-                profile.signature, lambda p=profile, c=shape_plan.correction: self._solve_profile(p, correction=c)
+                profile.signature, partial(self._solve_profile, profile, correction=shape_plan.correction)
             )
             solved.profile_seconds = shape_plan.profile_seconds
             self.shape_plans[key] = solved
@@ -271,7 +274,8 @@ class Plan:
             assert self._calibration is not None
             trace.option_scale = self._calibration.option_scale
         # a loss measured on an earlier signature's step, scaled to these outputs; else the assumed one
-        loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes) or trace.assumed_loss_bytes
+        scaled_loss_bytes = round(self._loss_per_output_byte * trace.output_gradient_bytes)
+        loss_bytes = scaled_loss_bytes or assumed_loss_bytes(trace.output_specs)
         profile = _Profile(
             trace,
             self._solver(trace, loss_bytes),
@@ -322,8 +326,12 @@ class Plan:
             self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
 
-    def _key_of(self, shape_plan: ShapePlan) -> Signature | None:
-        return next((key for key, planned in self.shape_plans.items() if planned is shape_plan), None)
+    def _key_of(self, shape_plan: ShapePlan) -> Signature:
+        """The signature ``shape_plan`` was made for (it must be one of this plan's)."""
+        key = next((key for key, planned in self.shape_plans.items() if planned is shape_plan), None)
+        if key is None:
+            raise ValueError("this shape plan was not made by this Plan (or was replaced since)")
+        return key
 
     def _record(self, shape_plan: ShapePlan, reading: StepReading, batch: int | None) -> None:
         """File a metered step's reading on its plan; learn what its loss holds."""
@@ -351,6 +359,7 @@ class Plan:
         loss = shape_plan.measured_loss_bytes
         learned = loss is not None and shape_plan.measured_at_planned_batch and loss != profile.solver.sim.loss_bytes
         if learned:
+            assert loss is not None
             # the loss, measured, joins the model; only an error it leaves beyond the planning
             # margin (which is there for the model's own errors) scales the budget
             profile.solver, profile.loss_measured = self._solver(profile.trace, loss), True

@@ -51,6 +51,8 @@ def batch_free_signature(args: tuple, kwargs: dict) -> Signature:
 def expand_batch(args: tuple, kwargs: dict, size: int) -> tuple[tuple, dict]:
     """The call with every batched tensor grown (or cut) to ``size`` samples by repeating its own."""
     batch = batch_size_of(args, kwargs)
+    if batch is None:  # no tensor with a batch dimension
+        return args, kwargs
     leaves, spec = tree_flatten((args, kwargs))
 
     def grow(leaf: object) -> object:

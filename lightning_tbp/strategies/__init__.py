@@ -1,6 +1,8 @@
 """Lightning strategies that run the rematerialization plan; registered on ``import lightning_tbp``."""
 
-from lightning.pytorch.strategies import StrategyRegistry
+from typing import Any
+
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from lightning_tbp.strategies.common import PlanAgreementError, TinyBackpropMixin
 from lightning_tbp.strategies.distributed import (
@@ -10,7 +12,7 @@ from lightning_tbp.strategies.distributed import (
 )
 from lightning_tbp.strategies.tiny_backprop import TinyBackpropStrategy
 
-_STRATEGIES = (
+_STRATEGIES: tuple[tuple[str, type[Strategy], str, dict[str, Any]], ...] = (
     ("tiny_backprop", TinyBackpropStrategy, "One device", {}),
     ("tiny_backprop_ddp", TinyBackpropDDPStrategy, "DDP, processes started by re-running the script", {}),
     ("tiny_backprop_ddp_spawn", TinyBackpropDDPStrategy, "DDP, processes spawned", {"start_method": "spawn"}),

@@ -22,12 +22,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_tbp.compat import flatten_dense_tensors, make_data_parallel_only, unflatten_dense_tensors
+from lightning_tbp.compat import (
+    broadcast_module_states,
+    flatten_dense_tensors,
+    make_data_parallel_only,
+    unflatten_dense_tensors,
+)
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
@@ -57,7 +61,8 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
         if self.privacy is None:
             super().configure_ddp()
             return
-        _sync_module_states(self.model)  # what DDP's constructor does: every rank starts from rank 0's weights
+        assert self.model is not None
+        broadcast_module_states(self.model)  # what DDP's constructor does: every rank starts from rank 0's weights
 
     @override
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
@@ -136,7 +141,7 @@ class _ShardingModelParallel(ModelParallelStrategy):
             self.apply_fsdp2()
 
         # a plain function (not functools.wraps): Lightning calls the hook only when it sees it overridden
-        model.configure_model = configure_model_then_shard
+        model.configure_model = configure_model_then_shard  # type: ignore[method-assign]  # this instance's hook
 
     @override
     def teardown(self) -> None:
@@ -174,12 +179,14 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
     def apply_fsdp2(self) -> None:
         from torch.distributed.fsdp import FSDPModule
 
-        if any(isinstance(m, FSDPModule) for m in self.lightning_module.modules()):
+        module = self.lightning_module
+        assert module is not None
+        if any(isinstance(m, FSDPModule) for m in module.modules()):
             return  # the user's configure_model sharded it
         target, path = self.target_module()
         outside = [
             name
-            for name, param in self.lightning_module.named_parameters()
+            for name, param in module.named_parameters()
             if param.requires_grad and not any(param is p for p in target.parameters())
         ]
         if outside:

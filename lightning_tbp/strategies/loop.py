@@ -53,7 +53,7 @@ def gradients_observed_before_zero_grad(module: pl.LightningModule) -> bool:
     ``zero_grad`` (``on_before_zero_grad``), where it may read the last step's gradients."""
     if is_overridden("on_before_zero_grad", module, pl.LightningModule):
         return True
-    return any(is_overridden("on_before_zero_grad", callback, Callback) for callback in module.trainer.callbacks)
+    return any(is_overridden("on_before_zero_grad", callback, Callback) for callback in module.trainer.callbacks)  # type: ignore[attr-defined]  # set by Lightning's callback connector
 
 
 def release_gradients_early(module: pl.LightningModule, batch_idx: object) -> bool:

@@ -109,7 +109,7 @@ def handler_for(module: nn.Module) -> LayerHandler | None:
     for layer_type in type(module).__mro__:
         handler = _HANDLERS.get(layer_type)
         if handler is not None:
-            return handler if type(module).forward is layer_type.forward else None
+            return handler if type(module).forward is getattr(layer_type, "forward", None) else None
     return None
 
 

@@ -1,0 +1,431 @@
+"""The recorder: a memory-safe profile of one forward pass, every op, storage and saved tensor.
+
+The model may only fit in memory *with* a plan, so profiling never runs a training step. It
+runs one forward pass in which autograd's saved tensors are replaced by ``None`` through
+``saved_tensors_hooks``: the graph is built but holds nothing, so the pass costs what inference
+costs. Meanwhile a ``TorchDispatchMode`` sees every aten op below autograd and records into a
+:class:`~lightning_tbp.remat.trace.Trace`
+
+* the storages each op creates (views and in-place results are resolved to the storage they
+  alias, so a saved view counts the bytes it really keeps alive),
+* which storages autograd *would* have saved, attributed to the op that saved them,
+* the op's FLOPs (torch's FLOP formulas) and its traits (``ops.py``);
+  after the pass each distinct op is timed alone (``calibrate.py``) and scaled to its block's
+  real forward (``forward_timing.py``): that time is its cost,
+* the candidate module (block) that was running, and the tensors entering and leaving it.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections import Counter
+from collections.abc import Callable, Collection
+from functools import partial
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from lightning_tbp.compat import TorchDispatchMode, op_packet, storage_key, tree_flatten
+from lightning_tbp.memory.held import local_bytes
+from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
+from lightning_tbp.remat.flops import flop_count
+from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
+from lightning_tbp.remat.ops import traits_of
+from lightning_tbp.remat.overheads import StepOverheads, step_overheads
+from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
+from lightning_tbp.remat.step import LayerNote, listening_for_notes, stop_listening
+from lightning_tbp.remat.trace import Node, Trace
+
+
+def _tensors(tree: object) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+def _output_tensors(output: object) -> list[torch.Tensor]:
+    """Tensors in a module output, including diffusers' ``BaseOutput`` dataclasses."""
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    return _tensors(output)
+
+
+class _Recorder(TorchDispatchMode):
+    """Dispatch mode that turns every aten op into a trace event."""
+
+    def __init__(self, trace: Trace, node_stack: list[int]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.calibrator = OpCalibrator()
+        self.recording = True
+        self.node_stack = node_stack
+        self.key_to_sid: dict[int, int] = {}
+        self.pending_saves: list[int] = []
+        self.tensor_counts: dict[int, int] = {}
+
+    def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
+        """Storage id of ``tensor``, registering storages made outside the recorder."""
+        key = storage_key(tensor)
+        if key is None:
+            return None
+        sid = self.key_to_sid.get(key)
+        if sid is None:
+            sid = self._new_storage(key, tensor, producer=-1, activation=activation)
+            self.trace.storage_needs_grad[sid] = tensor.requires_grad
+        return sid
+
+    def _new_storage(self, key: int, tensor: torch.Tensor, producer: int, activation: bool) -> int:
+        trace = self.trace
+        sid = len(trace.storage_bytes)
+        trace.storage_bytes.append(tensor.untyped_storage().nbytes())
+        trace.storage_needs_grad.append(False)
+        trace.storage_is_activation.append(activation)
+        trace.storage_producer.append(producer)
+        trace.storage_written.append(False)
+        trace.storage_death.append(-1)
+        self.key_to_sid[key] = sid
+        return sid
+
+    def watch(self, tensor: torch.Tensor, sid: int) -> None:
+        """Note when the last tensor viewing storage ``sid`` is garbage collected."""
+        self.tensor_counts[sid] = self.tensor_counts.get(sid, 0) + 1
+        weakref.finalize(tensor, self._tensor_died, sid)
+
+    def _tensor_died(self, sid: int) -> None:
+        self.tensor_counts[sid] -= 1
+        if self.tensor_counts[sid] == 0 and self.recording:
+            self.trace.storage_death[sid] = self.trace.num_events - 1
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.namespace == "prim":  # metadata queries (a fake tensor's ``.device``), no data
+            return out
+        trace = self.trace
+        event = trace.num_events
+        traits = traits_of(func)
+        seen: dict[int, int] = {}
+        for tensor in _tensors((args, kwargs)):
+            if (sid := self.sid_of(tensor)) is not None:
+                seen[sid] = max(seen.get(sid, 0), tensor.numel() * tensor.element_size())
+        inputs = tuple(seen)
+        input_set = set(inputs)
+        partial = {sid: size for sid, size in seen.items() if size < trace.storage_bytes[sid]}
+        saves = self._settle_saves(input_set)  # before this op becomes the last event
+        grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
+        outputs: list[int] = []
+        output_sids: list[int | None] = []  # of every output tensor, in order (for the calibrator)
+        new_elements = 0
+        for tensor in _tensors(out):
+            key = storage_key(tensor)
+            if key is None:
+                output_sids.append(None)
+                continue
+            sid = self.key_to_sid.get(key)
+            if sid is not None and sid in input_set:
+                output_sids.append(sid)
+                # an in-place write: a lazy block no longer rebuilds that storage
+                trace.storage_written[sid] = trace.storage_written[sid] or traits.writes_input
+                if trace.storage_is_activation[sid]:
+                    self.watch(tensor, sid)
+                continue  # a view or an in-place result: same storage as an input
+            sid = self._new_storage(key, tensor, producer=event, activation=True)
+            output_sids.append(sid)
+            self.watch(tensor, sid)
+            trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
+            outputs.append(sid)
+            new_elements += tensor.numel()
+        if _densifies(func, args, out) and (source := self.sid_of(args[0])) is not None:
+            trace.densified_storages.add(source)
+        flops = flop_count(func, args, kwargs, out)
+        # what autograd will differentiate, tensor by tensor: a parameter read through a detached
+        # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
+        # the parameter's storage but gets no gradient from the op's backward
+        needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in _tensors((args, kwargs))]
+        self.calibrator.note(event, func, args, kwargs, needs_grad, output_sids, workspace=traits.heavy and grad_flows)
+        trace.event_node.append(self.node_stack[-1])
+        trace.event_inputs.append(inputs)
+        trace.event_partial_inputs.append(partial)
+        trace.event_outputs.append(tuple(outputs))
+        trace.event_saves.append(saves)
+        trace.event_traits.append(traits)
+        trace.event_flops.append(flops)
+        trace.event_cost.append(0.0)  # measured after the forward
+        return out
+
+    def record_save(self, tensor: torch.Tensor) -> None:
+        """Note a tensor autograd saves; which op saved it is settled at the next op (``_settle_saves``)."""
+        sid = self.sid_of(tensor)
+        if sid is not None and self.trace.storage_is_activation[sid]:  # parameters/buffers are not activations
+            self.pending_saves.append(sid)
+
+    def _settle_saves(self, next_inputs: set[int]) -> list[int]:
+        """Split the saves made since the last op between it and the op now dispatching.
+
+        Autograd saves an op's *outputs* after the op has run and its *inputs* before it runs, so
+        both land between two dispatches. A saved tensor that the new op takes as input is the
+        new op's (a norm saving the conv output it normalises), unless the last op made it and
+        is one that saves its own result (exp, softmax, attention) and it was saved only once; the
+        rest is the last op's. Returns the new op's saves and files the others.
+        """
+        trace = self.trace
+        last = trace.num_events - 1
+        last_outputs = set(trace.event_outputs[last]) if last >= 0 else set()
+        last_saves_result = last >= 0 and trace.event_traits[last].saves_own_result
+        counts = Counter(self.pending_saves)
+        mine: list[int] = []
+        for sid in self.pending_saves:
+            if last < 0:
+                mine.append(sid)
+            elif sid in next_inputs and not (sid in last_outputs and last_saves_result and counts[sid] == 1):
+                mine.append(sid)
+                counts[sid] -= 1  # a tensor saved twice: the last op's result and the new op's input
+                last_saves_result = last_saves_result and counts[sid] > 0
+            else:
+                trace.event_saves[last].append(sid)
+        self.pending_saves = []
+        return mine
+
+    def finish(self) -> None:
+        if self.pending_saves and self.trace.num_events:
+            self.trace.event_saves[-1].extend(self.pending_saves)
+        self.pending_saves = []
+
+
+def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
+    """Modules the planner may wrap: every submodule that has submodules of its own.
+
+    Leaf layers (a single Linear, Conv or norm) are not blocks: checkpointing one saves almost
+    nothing. Their parents (a ResNet block, an attention block, a transformer block) are the
+    finest granularity; inside them the planner chooses selective recomputation instead. A layer
+    with adapters (peft's LoRA ``Linear`` holds its base layer and adapters as submodules) is
+    still one layer: on an SDXL U-Net with LoRA such layers would otherwise be 560 of 952
+    candidates, each a simulation branch for the solver and none worth a checkpoint of its own.
+    """
+    layers = _adapter_layer_types()
+    return {
+        sub: name
+        for name, sub in module.named_modules()
+        if name and any(True for _ in sub.children()) and not isinstance(sub, (nn.ModuleList, nn.ModuleDict, *layers))
+    }
+
+
+def _adapter_layer_types() -> tuple[type, ...]:
+    """peft's adapter-wrapped layer class, if peft is in use (if it was never imported, no module is one)."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return (tuners.BaseTunerLayer,) if tuners is not None else ()
+
+
+class BlockInputCapture(Protocol):
+    """Who wants some blocks' inputs from the profile's timed forward (``calibrate_blocks``)."""
+
+    def choose(self, trace: Trace, merged: set[str]) -> Collection[str]:
+        """Paths of the blocks, from ``trace`` with its ops timed; ``merged``: paths of modules
+        called more than once, which the trace will merge into their parents."""
+
+    def capture(self, path: str, args: tuple, kwargs: dict) -> None:
+        """The arguments the block at ``path`` was called with (each call)."""
+
+
+def record_trace(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    *,
+    inside_call: bool = False,
+    measure: bool = True,
+    block_inputs: BlockInputCapture | None = None,
+    workspaces_below: int = 0,
+) -> Trace:
+    """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
+
+    Random number generators are forked so the profiling pass does not shift the training run's
+    random stream (dropout stays reproducible), and buffers are restored afterwards.
+
+    ``inside_call``: the caller is one of ``module``'s own forward pre-hooks, so the hooks
+    before it already ran for this call; the profile then runs ``module.forward`` alone. Calling
+    the module again would run its hooks twice: FSDP2's post-forward hook, for one, would reshard
+    the parameters that its pre-forward hook gathered for the real forward.
+
+    ``block_inputs``: told which blocks' inputs to keep once the ops are timed, it gets them
+    from the timed real forward (``measure`` only), which saves the caller a forward of its own.
+
+    ``measure=False``: sizes, saves and FLOPs only, for a module and inputs made of fake tensors
+    (``lightning_tbp.estimate``): nothing can run for real, so op times, workspaces and plan
+    overheads are left at zero for the caller to model, and no device's random state is touched.
+    ``workspaces_below`` (bytes, with ``measure=False``): measure the heavy ops' workspaces anyway,
+    on real stand-ins on this machine's CPU, for ops whose stand-ins take less (a fake trace of a
+    CPU step); ``trace.unmeasured_workspaces`` counts the ops skipped.
+    """
+    trace = Trace()
+    root = Node(index=0, path="", parent=-1)
+    trace.nodes.append(root)
+    node_stack = [0]
+    recorder = _Recorder(trace, node_stack)
+    calls: dict[int, int] = {}
+    candidates = candidate_modules(module)
+    handles = []
+
+    def enter(sub: nn.Module, sub_args: tuple, sub_kwargs: dict) -> None:
+        calls[id(sub)] = calls.get(id(sub), 0) + 1
+        parent = trace.nodes[node_stack[-1]]
+        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index, kind=type(sub).__name__)
+        node.first_event = trace.num_events
+        node.inputs = tuple(s for t in _tensors((sub_args, sub_kwargs)) if (s := recorder.sid_of(t)) is not None)
+        trace.nodes.append(node)
+        parent.children.append(node.index)
+        node_stack.append(node.index)
+
+    def leave(sub: nn.Module, sub_args: tuple, sub_kwargs: dict, output: object) -> None:
+        node = trace.nodes[node_stack.pop()]
+        node.last_event = trace.num_events - 1
+        node.outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
+        node.replayable = recorder_for(sub) is not None and outputs_replayable(output_tensors(output))
+
+    for sub in candidates:
+        handles.append(sub.register_forward_pre_hook(enter, with_kwargs=True))
+        handles.append(sub.register_forward_hook(leave, with_kwargs=True))
+
+    for param in module.parameters():
+        recorder.sid_of(param)
+    for buf in module.buffers():
+        recorder.sid_of(buf)
+    for tensor in _tensors((args, kwargs)):
+        recorder.sid_of(tensor)
+
+    def pack(tensor: torch.Tensor) -> None:
+        recorder.record_save(tensor)
+        return None
+
+    def file_note(note: LayerNote) -> None:
+        note.event = trace.num_events - 1  # the layer's last (view) op, whose node holds its saves
+        note.saved_sids = tuple(s for t in note.saved if (s := recorder.sid_of(t)) is not None)
+        for sid in note.saved_sids:  # a Function packs what it saved as its forward returns: file it now
+            if sid in recorder.pending_saves:
+                recorder.pending_saves.remove(sid)
+                trace.event_saves[note.event].append(sid)
+        output_sid = recorder.sid_of(note.output) if note.output is not None else None
+        note.output_sid = output_sid if output_sid is not None else -1
+        note.saved, note.output = (), None  # the trace keeps ids, not tensors
+        trace.step_notes.append(note)
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
+
+    devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"}) if measure else []
+    listening = listening_for_notes(file_note)
+    try:
+        with (
+            frozen_buffers(module),
+            torch.random.fork_rng(devices=cuda_devices),
+            torch.autograd.graph.saved_tensors_hooks(pack, unpack),
+            recorder,
+        ):
+            output = module.forward(*args, **kwargs) if inside_call else module(*args, **kwargs)
+            recorder.finish()
+            trace.module_outputs = tuple(s for t in _output_tensors(output) if (s := recorder.sid_of(t)) is not None)
+            trace.output_specs = [TensorSpec.of(t, t.requires_grad) for t in _output_tensors(output)]
+            recorder.recording = False  # what dies now dies with the forward's result
+            del output
+        workspaces: dict[int, tuple[int, int]] = {}
+        times: dict[int, tuple[float, float]] = {}
+        with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
+            if measure:
+                # an output no later op reads gets no gradient (a norm's saved mean and rstd, an
+                # attention's logsumexp): its op's backward is timed without one
+                times, workspaces = recorder.calibrator.measure(_consumers(trace))
+            elif workspaces_below:
+                workspaces, trace.unmeasured_workspaces = recorder.calibrator.measure_workspaces(
+                    _consumers(trace), workspaces_below
+                )
+            _settle_notes(trace.step_notes, measure)
+    finally:
+        stop_listening(listening)
+        for handle in handles:
+            handle.remove()
+    trace.event_forward_workspace = [0] * trace.num_events
+    trace.event_workspace = [0] * trace.num_events
+    for event, (forward, backward) in workspaces.items():
+        trace.event_forward_workspace[event] = forward
+        trace.event_workspace[event] = backward
+    trace.event_backward_cost = [0.0] * trace.num_events
+    for event, (forward_ns, backward_ns) in times.items():
+        trace.event_cost[event] = forward_ns
+        trace.event_backward_cost[event] = backward_ns
+    repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
+    if measure:
+        keep_inputs: dict[nn.Module, Callable[[tuple, dict], None]] = {}
+        if block_inputs is not None:
+            wanted = set(block_inputs.choose(trace, repeated))
+            keep_inputs = {
+                sub: partial(block_inputs.capture, path) for sub, path in candidates.items() if path in wanted
+            }
+        timing = time_forward(module, candidates, args, kwargs, inside_call, cuda_devices, keep_inputs=keep_inputs)
+        scale_to_framework(trace, *timing)
+    device = devices[0] if devices else torch.device("cpu")
+    trace.overheads = step_overheads(device) if measure else StepOverheads()
+    trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
+    if repeated:
+        _drop_repeated(trace, repeated)
+    root.first_event, root.last_event = 0, trace.num_events - 1
+    trace.parameter_grad_bytes = sum(local_bytes(p) for p in module.parameters() if p.requires_grad)
+    return trace
+
+
+def _consumers(trace: Trace) -> dict[int, int]:
+    """Per storage that gets a gradient: 1, or 2 where that gradient is a sum of gradients of
+    different layouts (a channels-last storage read by several ops, one of which copies it to
+    row-major): the calibrator then measures its op's backward with both layouts."""
+    reads: Counter[int] = Counter(sid for inputs in trace.event_inputs for sid in set(inputs))
+    reads.update(trace.module_outputs)
+    return {sid: 2 if count > 1 and sid in trace.densified_storages else 1 for sid, count in reads.items()}
+
+
+def _densifies(func: Any, args: tuple, out: object) -> bool:
+    """Whether ``func`` copies a channels-last tensor to a row-major one (``.contiguous()``)."""
+    if op_packet(func) not in (torch.ops.aten.clone, torch.ops.aten._to_copy) or not args:
+        return False
+    source = args[0]
+    return (
+        isinstance(source, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+        and source.dim() == 4
+        and not source.is_contiguous()
+        and source.is_contiguous(memory_format=torch.channels_last)
+        and out.is_contiguous()
+    )
+
+
+def _settle_notes(notes: list[LayerNote], measure: bool) -> None:
+    """Each kind of note settles its own (``LayerNote.settle``), in the order reported."""
+    kinds: dict[type[LayerNote], list[LayerNote]] = {}
+    for note in notes:
+        kinds.setdefault(type(note), []).append(note)
+    for kind, group in kinds.items():
+        kind.settle(group, measure)
+
+
+def _drop_repeated(trace: Trace, repeated: set[str]) -> None:
+    """Merge nodes of modules called more than once into their parent.
+
+    A checkpoint wrapper applies to every call of a module, but the simulator (and the plan)
+    reason about one call; such modules are left to their parent, which is exact and only
+    coarser.
+    """
+    old_nodes = trace.nodes
+    keep = [n for n in old_nodes if not any(n.path == r or n.path.startswith(r + ".") for r in repeated)]
+    remap = {n.index: i for i, n in enumerate(keep)}
+
+    def surviving(index: int) -> int:
+        while index not in remap:
+            index = old_nodes[index].parent
+        return remap[index]
+
+    trace.event_node = [surviving(n) for n in trace.event_node]
+    parents = [surviving(n.parent) if n.parent >= 0 else -1 for n in keep]
+    for node, parent in zip(keep, parents, strict=True):
+        node.children = [remap[c] for c in node.children if c in remap]
+        node.index, node.parent = remap[node.index], parent
+    trace.nodes = keep

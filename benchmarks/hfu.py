@@ -1,6 +1,6 @@
 """FLOPs per training step and hardware/model FLOPs utilisation of the DDPM U-Net.
 
-    python benchmarks/hfu.py --profile small --out docs/benchmarks/hfu            # this CPU
+    python benchmarks/hfu.py --profile small --out docs/benchmarks/verify/hfu            # this CPU
     python benchmarks/hfu.py --profile medium --batches 64 72 --device cuda        # the target
 
 For each batch and mode, one training step is measured (median time of ``--trials`` after a

@@ -1,6 +1,6 @@
 """The largest resolution (and batch) whose U-Net training step fits a memory cap, per method.
 
-    python benchmarks/high_res.py --profile small --cap 96MiB --out docs/benchmarks/high_res
+    python benchmarks/high_res.py --profile small --cap 64MiB --out docs/benchmarks/verify/high_res
     python benchmarks/high_res.py --profile medium --device cuda --cap 78GiB --max-size 4096
 
 A step fits when it runs and its exact allocator peak above its start (parameters and inputs

@@ -1,6 +1,6 @@
 """Memory, time, FLOPs and gradient agreement of one U-Net training step under each method.
 
-    python benchmarks/unet_mem_bench.py --profile small --trials 5 --out docs/benchmarks/unet_mem
+    python benchmarks/unet_mem_bench.py --profile small --trials 5 --out docs/benchmarks/verify/unet_mem_bench
     python benchmarks/unet_mem_bench.py --profile large --device cuda --trials 10
     python benchmarks/unet_mem_bench.py --profile small --modes naive diffusers tbp:0.5
 

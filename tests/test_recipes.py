@@ -132,6 +132,20 @@ def test_print_config_shows_the_recipe(capsys) -> None:
     assert "lightning_tbp.diffusion.DiffusionModule" in printed and "memory_budget: 0.5" in printed
 
 
+@pytest.mark.parametrize(
+    ("given", "printed"),
+    [("1.0", "1.0"), ("0.5", "0.5"), ("1000000", "1000000"), ("24GiB", "24GiB"), ("auto", "auto"), ("null", "null")],
+)
+def test_the_cli_keeps_the_kind_of_a_memory_budget(given: str, printed: str, capsys) -> None:
+    """The strategies' ``memory_budget`` hint is a union the CLI parses: a fraction stays a float
+    (1.0 is the whole naive step, not one byte), bytes an int, a size or "auto" a string."""
+    args = ["fit", "-c", str(CONFIGS / "ddpm_unet_tiny.yaml"), f"--trainer.strategy.memory_budget={given}"]
+    with pytest.raises(SystemExit) as exit_info:
+        run_lightning_cli([*args, "--print_config"])
+    assert exit_info.value.code == 0
+    assert f"memory_budget: {printed}\n" in capsys.readouterr().out
+
+
 def fit(
     module: DiffusionModule, data: L.LightningDataModule, tmp_path: Path, ckpt_path: str | None = None, **trainer_kwargs
 ) -> L.Trainer:

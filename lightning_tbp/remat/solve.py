@@ -27,6 +27,9 @@ checkpointing is only placed where no ancestor is checkpointed, because torch ke
 region's cache alive for the whole outer region.
 
 If no plan fits, :class:`InfeasibleBudgetError` names the smallest peak the search reached.
+
+What the searches read of each block (its subtree, option prices, the bytes a checkpoint of it
+would release at an instant) is ``block_tree.py``; the Lagrangian start's plans ``lagrangian.py``.
 """
 
 from __future__ import annotations
@@ -37,7 +40,9 @@ from collections import Counter
 from collections.abc import Callable, Set
 from dataclasses import dataclass
 
+from lightning_tbp.remat.block_tree import BlockTree
 from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.lagrangian import Prices, lagrangian_plans, singleton_prices
 from lightning_tbp.remat.options import SOFT, Option, clears_soft_below, next_options
 from lightning_tbp.remat.simulate import Holdings, SimResult, Simulator
 
@@ -53,8 +58,6 @@ _MAX_PRUNE_PASSES = 4
 #: Above this many blocks, the greedy applies moves in batches and only the cheapest candidate is
 #: pruned, in one pass (planning stays within seconds for hundreds of blocks).
 _LARGE_MODEL_NODES = 64
-#: Prices per byte swept by the Lagrangian start, in cost units (nanoseconds) per byte.
-_LAMBDAS = tuple(10 ** (k / 8) for k in range(-40, 33))
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the simulator predicts measured CPU
 #: allocator peaks within a few percent, and the budget is a promise about the measured peak.
 PLANNING_MARGIN = 0.05
@@ -98,40 +101,12 @@ class Solver:
         backpropagated twice (DP's ghost and flash modes) cannot use them."""
         self.sim = simulator
         self.options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
-        trace = simulator.trace
-        self.nodes = trace.nodes
-        n = len(self.nodes)
-        self.large = n > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
-        self.subtree_cost = [0.0] * n
-        self.cheap_cost = [0.0] * n
-        self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
-        self.event_count = [0] * n
-        self.save_count = [0] * n
-        for node in self.nodes:
-            if not node.has_events:
-                continue
-            events = range(node.first_event, node.last_event + 1)
-            self.subtree_cost[node.index] = sum(trace.event_cost[e] for e in events)
-            self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_traits[e].heavy)
-            self.event_count[node.index] = len(events)
-            self.save_count[node.index] = sum(len(trace.event_saves[e]) for e in events)
-            self.heavy_outputs[node.index] = [
-                s for e in events if trace.event_traits[e].heavy for s in trace.event_outputs[e]
-            ]
-        self.ancestors: list[list[int]] = []
-        for node in self.nodes:
-            chain, parent = [], node.parent
-            while parent > 0:
-                chain.append(parent)
-                parent = self.nodes[parent].parent
-            self.ancestors.append(chain)
-        # nodes are recorded in call (pre-)order, so a subtree is a contiguous index range
-        self.subtree_end = list(range(1, n + 1))
-        for node in reversed(self.nodes):
-            if node.parent >= 0:
-                self.subtree_end[node.parent] = max(self.subtree_end[node.parent], self.subtree_end[node.index])
+        self.tree = BlockTree(simulator.trace)
+        self.nodes = self.tree.nodes
+        self.large = len(self.nodes) > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
+        self.subtree_end, self.ancestors = self.tree.subtree_end, self.tree.ancestors
         self.simulations = 0
-        self._prices: dict[tuple[int, Option], tuple[float, float]] | None = None
+        self._prices: Prices | None = None
         self._memo: dict[tuple[Option, ...], SimResult] = {}
         self._over: dict[tuple[Option, ...], int] = {}  # plans whose peak passes this many bytes
         self._naive: SimResult | None = None
@@ -253,24 +228,13 @@ class Solver:
         return (options, result) if result.peak_bytes <= target_bytes else (best[1], best[2])
 
     def lagrangian_start(self, naive: SimResult, target_bytes: int) -> tuple[list[Option], SimResult]:
-        """Cheapest plan of a Lagrangian sweep that fits, else the sweep's lowest peak.
-
-        Each block option is priced from one holdings reading of the plain model at the end of its forward
-        (bytes only that block holds, less what the option keeps; its recomputation cost); for a
-        price ``lam`` per byte, the tree is solved exactly
-        for ``cost - lam * freed`` (a full checkpoint makes its subtree's choices moot, a selective
-        one requires a plain subtree). Every distinct plan of the sweep is simulated exactly.
-        """
-        prices = self._singleton_prices(naive)
+        """Cheapest plan of the Lagrangian sweep (``lagrangian.py``) that fits, else the sweep's
+        lowest peak; every distinct plan of the sweep is simulated exactly."""
+        if self._prices is None:
+            holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
+            self._prices = singleton_prices(self.tree, holdings, self.options)
         best: tuple[tuple[bool, float], list[Option], SimResult] | None = None
-        seen: set[tuple[Option, ...]] = set()
-        for lam in _LAMBDAS:
-            options = [Option.KEEP] * len(self.nodes)
-            self._assign(0, lam, prices, options)
-            key = tuple(options)
-            if key in seen:
-                continue
-            seen.add(key)
+        for options in lagrangian_plans(self.tree, self._prices, self.options):
             if best is not None and not best[0][0]:  # once one fits, only those that fit compete
                 result = self.simulate_within(options, target_bytes)
                 if result is None:
@@ -283,42 +247,6 @@ class Solver:
                 best = (rank, options, result)
         assert best is not None
         return best[1], best[2]
-
-    def _singleton_prices(self, naive: SimResult) -> dict[tuple[int, Option], tuple[float, float]]:
-        """(cost, bytes freed at the end of the forward) of each option alone, from one reading of the holdings."""
-        if self._prices is not None:
-            return self._prices
-        holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
-        freed_full, lca = self._releasable_bytes(holdings)
-        prices: dict[tuple[int, Option], tuple[float, float]] = {}
-        for node in self.nodes[1:]:
-            if not node.has_events:
-                continue
-            full = freed_full[node.index] - self._kept_inputs(node.index, holdings, lca)
-            selective = full - self._cache_bytes(node.index, holdings, lca)
-            freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective}
-            for option in self.options:
-                prices[node.index, option] = (self._cost_of(node.index, option), freed[option])
-        self._prices = prices
-        return prices
-
-    def _assign(self, index: int, lam: float, prices: dict, options: list[Option]) -> float:
-        """Solve the subtree of ``index`` for ``cost - lam * freed``; writes ``options``, returns the value."""
-        children = self.nodes[index].children
-        value_keep = sum(self._assign(child, lam, prices, options) for child in children)
-        if index == 0:
-            return value_keep
-        best_value, best_option = value_keep, Option.KEEP
-        for option in self.options:
-            if (index, option) in prices:
-                cost, freed = prices[index, option]
-                if cost - lam * freed < best_value:
-                    best_value, best_option = cost - lam * freed, option
-        if best_option != Option.KEEP:
-            for j in range(index + 1, self.subtree_end[index]):
-                options[j] = Option.KEEP
-        options[index] = best_option
-        return best_value
 
     # -- search ---------------------------------------------------------------------------------
     def simulate(self, options: list[Option]) -> SimResult:
@@ -387,15 +315,15 @@ class Solver:
         visited: Set[tuple[Option, ...]] = frozenset(),
     ) -> tuple[list[Option], SimResult] | None:
         holdings = self.holdings_at(options, result.peak_step)
-        freed_full, lca = self._releasable_bytes(holdings)
+        freed_full, lca = self.tree.releasable_bytes(holdings)
         scored = []
         for index, option in self.legal_moves(options):
-            freed = freed_full[index] - self._kept_inputs(index, holdings, lca)
+            freed = freed_full[index] - self.tree.kept_inputs(index, holdings, lca)
             if option in SOFT:
-                freed -= self._cache_bytes(index, holdings, lca)
+                freed -= self.tree.cache_bytes(index, holdings, lca)
             if freed <= 0:
                 continue
-            extra = 1.0 if cost_blind else self._cost_of(index, option) - self._cost_of(index, options[index])
+            extra = 1.0 if cost_blind else self.tree.cost_of(index, option) - self.tree.cost_of(index, options[index])
             scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
         if self.large:
@@ -426,23 +354,6 @@ class Solver:
                 best = (key, candidate, trial)
         return None if best is None else (best[1], best[2])
 
-    def _cost_of(self, index: int, option: Option) -> float:
-        """Estimated extra time of ``option`` on block ``index``: its recomputed ops in the real
-        framework, and what the option itself adds (``overheads.py``)."""
-        trace = self.sim.trace
-        overheads = trace.overheads
-        checkpoint = overheads.checkpoint_call_ns + self.save_count[index] * overheads.checkpoint_save_ns
-        if option == Option.FULL:
-            cost = self.subtree_cost[index] + checkpoint
-        elif option == Option.SELECTIVE:
-            dispatched = 2 * self.event_count[index] * overheads.selective_op_ns  # in the forward and the recompute
-            cost = self.cheap_cost[index] + checkpoint + dispatched
-        elif option == Option.LAZY:
-            cost = self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
-        else:
-            return 0.0
-        return cost * trace.option_scale.get(option, 1.0)
-
     def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
         """On large models, apply the best-ranked moves on disjoint subtrees together.
 
@@ -465,60 +376,6 @@ class Solver:
         trial = self.simulate_within(candidate, result.peak_bytes - 1)
         return None if trial is None else (candidate, trial)
 
-    def _releasable_bytes(self, holdings: Holdings) -> tuple[list[int], dict[int, int]]:
-        """Per block, bytes live at the snapshot that only that block's subtree holds.
-
-        A storage is released by checkpointing any block that encloses all of its holders, i.e.
-        any ancestor of the holders' lowest common block; its bytes are credited along that chain.
-        """
-        trace = self.sim.trace
-        holder_nodes: dict[int, list[int]] = {}
-        for event, sids in holdings.event_holds.items():
-            for sid in sids:
-                holder_nodes.setdefault(sid, []).append(trace.event_node[event])
-        for node, sids in holdings.node_holds.items():
-            for sid in sids:
-                holder_nodes.setdefault(sid, []).append(node)
-        freed = [0] * len(self.nodes)
-        lca: dict[int, int] = {}
-        for sid, nodes in holder_nodes.items():
-            if sid in holdings.python_refs:
-                continue
-            common = nodes[0]
-            for other in nodes[1:]:
-                common = self._common_ancestor(common, other)
-            lca[sid] = common
-            size = holdings.sizes.get(sid, 0)
-            walk = common
-            while walk > 0:
-                freed[walk] += size
-                walk = self.nodes[walk].parent
-        return freed, lca
-
-    def _common_ancestor(self, a: int, b: int) -> int:
-        while not (a <= b < self.subtree_end[a]):
-            a = self.nodes[a].parent
-        return a
-
-    def _within(self, index: int, lca: dict[int, int], sid: int) -> bool:
-        node = lca.get(sid, -1)
-        return index <= node < self.subtree_end[index]
-
-    def _kept_inputs(self, index: int, holdings: Holdings, lca: dict[int, int]) -> int:
-        """Inputs a checkpoint of ``index`` keeps although they were credited as released."""
-        inputs = set(self.nodes[index].inputs)
-        return sum(holdings.sizes.get(s, 0) for s in inputs if self._within(index, lca, s))
-
-    def _cache_bytes(self, index: int, holdings: Holdings, lca: dict[int, int]) -> int:
-        """Heavy-op outputs a selective checkpoint of ``index`` keeps (whether live now or not)."""
-        total = 0
-        for sid in self.heavy_outputs[index]:
-            if sid not in holdings.sizes:
-                total += self.sim.trace.storage_bytes[sid]
-            elif self._within(index, lca, sid):
-                total += holdings.sizes[sid]
-        return total
-
     def refine(self, options: list[Option], result: SimResult, budget_bytes: int) -> tuple[list[Option], SimResult]:
         """Split coarse decisions the pruning cannot: a block checkpointed (or lazy) as a whole is
         replaced by the same option on each of its child blocks, which pruning may then undo one
@@ -526,7 +383,7 @@ class Solver:
         early ends there, 2.5x the cost of the plan other paths find.)"""
         coarse = sorted(
             (i for i, o in enumerate(options) if o in (Option.FULL, Option.LAZY) and self._outermost(i, options)),
-            key=lambda i: self.subtree_cost[i],
+            key=lambda i: self.tree.subtree_cost[i],
             reverse=True,
         )
         for index in coarse:
@@ -586,7 +443,9 @@ class Solver:
         while improved and passes > 0:
             improved, passes = False, passes - 1
             planned = sorted(
-                (i for i, o in enumerate(options) if o != Option.KEEP), key=lambda i: self.subtree_cost[i], reverse=True
+                (i for i, o in enumerate(options) if o != Option.KEEP),
+                key=lambda i: self.tree.subtree_cost[i],
+                reverse=True,
             )
             for index in planned:
                 found: tuple[list[Option], SimResult] | None = None

@@ -34,6 +34,7 @@ from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
+from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
@@ -120,7 +121,7 @@ class TinyBackpropMixin:
 
     def __init__(
         self,
-        memory_budget: object = "auto",
+        memory_budget: BudgetSpec | None = "auto",
         target: str | None = None,
         dp: str | None = None,
         max_grad_norm: float | None = None,

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
+from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
@@ -29,7 +30,7 @@ class TinyBackpropStrategy(TinyBackpropMixin, SingleDeviceStrategy):
 
     def __init__(
         self,
-        memory_budget: object = "auto",
+        memory_budget: BudgetSpec | None = "auto",
         target: str | None = None,
         device: str | torch.device | None = None,
         **kwargs: Any,

@@ -92,15 +92,24 @@ def estimate_config(
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mixed.append(str(trainer.precision).endswith("-mixed"))
+        in_backward.append(bool(getattr(trainer.strategy, "optimizer_in_backward", False)))
         return step
 
     mixed: list[bool] = []
+    in_backward: list[bool] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
     if estimate.device == "cuda" and any(mixed):
         warnings.warn(
             "mixed precision on CUDA is estimated with CPU autocast's op lists, which keep group norm, layer norm "
             "and softmax in the low precision where CUDA's autocast runs them in float32: read this estimate as a "
             "lower bound (a 128x128 DDPM U-Net in bf16-mixed measured 1.7x its estimate on an H100; docs/estimate.md)",
+            stacklevel=2,
+        )
+    if any(in_backward):
+        warnings.warn(
+            "optimizer_in_backward=True is not modelled by the estimate yet: it estimates the ordinary step, "
+            "which holds every gradient and steps after the backward (an upper bound); the strategy's plan counts "
+            "the step inside the backward",
             stacklevel=2,
         )
     return estimate

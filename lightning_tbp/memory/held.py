@@ -133,6 +133,37 @@ def _step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
         for group, params in zip(optimizer.param_groups, groups, strict=True)
         if params
     ]
+    return _temporaries(optimizer, replica, device) * scale
+
+
+def parameter_step_ratio(optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> float:
+    """What an optimizer step of one parameter allocates beyond its gradient and state, per byte
+    of the parameter, the highest of ``optimizers``: the temporaries each parameter's step adds
+    while it runs when the optimizer steps inside the backward (``lightning_tbp.optim``).
+
+    Measured like :func:`optimizer_step_bytes`, on a twin stepping one probe parameter of the
+    dtype and group of the largest parameter (at most ``_REPLICA_NUMEL`` elements): a step of one
+    parameter is element-wise in it."""
+    return max((_parameter_ratio(optimizer, device) for optimizer in optimizers), default=0.0)
+
+
+def _parameter_ratio(optimizer: torch.optim.Optimizer, device: torch.device) -> float:
+    grouped = [
+        (group, p)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and p.device.type == device.type
+    ]
+    if not grouped:
+        return 0.0
+    group, largest = max(grouped, key=lambda pair: local_bytes(pair[1]))
+    numel = max(1, min(local_bytes(largest) // largest.element_size(), _REPLICA_NUMEL))
+    replica = [{**{k: v for k, v in group.items() if k != "params"}, "params": [_probe(numel, largest.dtype, device)]}]
+    return _temporaries(optimizer, replica, device) / (numel * largest.element_size())
+
+
+def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]], device: torch.device) -> int:
+    """Peak bytes a twin of ``optimizer`` over ``replica`` allocates in a step beyond the state it adds."""
     try:
         twin = _twin(optimizer, replica, portable=device.type != "cuda")
         highest = 0
@@ -145,10 +176,10 @@ def _step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
         warnings.warn(
             f"lightning_tbp: cannot predict the temporaries of a {type(optimizer).__name__} step ({error}); "
             "plans leave no room for them",
-            stacklevel=4,
+            stacklevel=5,
         )
         return 0
-    return highest * scale
+    return highest
 
 
 def _probe(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

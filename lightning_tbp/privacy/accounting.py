@@ -57,7 +57,7 @@ class PrivacyAccountant:
 def epsilon_of(history: list[tuple[float, float, int]], delta: float, mechanism: str) -> float:
     """ε at ``delta`` of a history of (noise multiplier, sample rate, steps), as ``PrivacyAccountant``."""
     accountant = PrivacyAccountant(mechanism, delta)
-    accountant._accountant.history = list(history)
+    accountant.load_state_dict({"mechanism": mechanism, "delta": delta, "history": history})
     return accountant.epsilon()
 
 

@@ -326,6 +326,11 @@ class Plan:
             self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
 
+    def state_made(self, nbytes: int) -> None:
+        """The optimizer, stepping inside the backward, makes a parameter's state (see
+        :meth:`StepMeter.state_made`): kept out of a metered step's peak."""
+        self._meter.state_made(nbytes)
+
     def _key_of(self, shape_plan: ShapePlan) -> Signature:
         """The signature ``shape_plan`` was made for (it must be one of this plan's)."""
         key = next((key for key, planned in self.shape_plans.items() if planned is shape_plan), None)

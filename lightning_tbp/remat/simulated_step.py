@@ -190,6 +190,10 @@ class SimulatedStep:
         self.parameter_grads = 0  # parameter gradient bytes the step wrote so far
         self.written_now = 0  # of those, written since the last tick
         self.optimizer_step = -1
+        # the optimizer inside the backward (``LoopModel.step_in_backward``): parameters stepped
+        # where their gradient is complete
+        self.parameter_steps = facts.parameter_grads_done if loop.step_in_backward else {}
+        self.parameter_step_ratio = loop.parameter_step_ratio
 
         trace = self.trace
         self.forward(0, 0, trace.num_events - 1, recompute=False)
@@ -212,7 +216,7 @@ class SimulatedStep:
             self.tick()
             self.backward(0, 0, trace.num_events - 1)
             self.end_pass()
-        if loop.optimizer_step_bytes:  # on the gradients, after the backward
+        if loop.optimizer_step_bytes and not loop.step_in_backward:  # on the gradients, after the backward
             self.mem += loop.optimizer_step_bytes
             self.optimizer_step = self.step
             self.tick()
@@ -681,6 +685,25 @@ class SimulatedStep:
         for sid in freed:
             if sid in grads and sid not in self.kept_grads:
                 self.free_grad(sid)
+        if self.parameter_steps and event in self.parameter_steps and self.pass_.parameter_gradients:
+            self.step_parameters(self.parameter_steps[event])
+
+    def step_parameters(self, sids: list[int]) -> None:
+        """The optimizer steps these parameters, whose gradients are now complete, one at a time:
+        each step's temporaries while it runs, then its gradient freed (kept, as an upper bound,
+        where the loop holds earlier gradients: ``LoopModel.step_in_backward``)."""
+        sizes = self.facts.sizes
+        for sid in sids:
+            if sid not in self.grads:
+                continue
+            temporaries = math.ceil(self.parameter_step_ratio * sizes[sid])
+            self.mem += temporaries
+            self.tick()
+            self.mem -= temporaries
+            if self.plain_loop:
+                self.grads.discard(sid)
+                self.mem -= sizes[sid]
+                self.parameter_grads -= sizes[sid]
 
     def drop_grad_view(self, sid: int) -> None:
         self.grad_slices.discard(sid)

@@ -94,10 +94,19 @@ class LoopModel:
 
     The trace sees one forward of the module; the loop decides what else is alive: the previous
     step's gradients (``gradients``) and, after the backward, the optimizer's step, whose
-    temporaries come on top of the gradients (``optimizer_step_bytes``; 0: not modelled)."""
+    temporaries come on top of the gradients (``optimizer_step_bytes``; 0: not modelled).
+
+    ``step_in_backward``: the optimizer steps each parameter inside the backward, as soon as its
+    gradient is complete (``lightning_tbp.optim``), adding ``parameter_step_ratio`` times the
+    parameter's bytes while it runs, and frees the gradient; there is no step after the backward.
+    Where the loop holds no earlier gradients (``RELEASED`` alone) that is simulated as it
+    happens; in the loop's other cases the gradients are counted as kept (an upper bound: the
+    step that frees them is the last micro-batch's only)."""
 
     gradients: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     optimizer_step_bytes: int = 0
+    step_in_backward: bool = False
+    parameter_step_ratio: float = 0.0
 
     def describe(self) -> str:
         cases = {
@@ -107,7 +116,9 @@ class LoopModel:
         }
         held = " or ".join(cases[case] for case in PriorGradients if case in self.gradients)
         text = f"gradients alive at the forward: {held}"
-        if self.optimizer_step_bytes:
+        if self.step_in_backward:
+            text += "; the optimizer steps each parameter inside the backward and frees its gradient"
+        elif self.optimizer_step_bytes:
             text += f"; the optimizer step's temporaries {format_bytes(self.optimizer_step_bytes)} after the backward"
         return text
 

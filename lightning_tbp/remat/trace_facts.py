@@ -139,6 +139,16 @@ class TraceFacts:
             producer = trace.storage_producer[sid]
             if producer >= 0:
                 self.grads_freed[producer].append(sid)
+        # where each parameter's gradient is complete: the backward of its first reader (autograd
+        # sums every contribution before it accumulates the gradient, and runs hooks there)
+        first_reader: dict[int, int] = {}
+        for event in range(n_events - 1, -1, -1):
+            for sid in (*self.grads_created[event], *self.grads_accumulated[event]):
+                if not trace.storage_is_activation[sid]:
+                    first_reader[sid] = event
+        self.parameter_grads_done: dict[int, list[int]] = {}
+        for sid, event in first_reader.items():
+            self.parameter_grads_done.setdefault(event, []).append(sid)
         # Where a recomputation of a plain block stops: torch ends it at the last saved tensor. A
         # saved input is packed *before* its op runs, so if the last save holds only inputs the op
         # itself is not re-run. A selective block caches heavy outputs up to that point only.

@@ -57,6 +57,7 @@ class StepMeter:
         self._reading: AllocatorPeak | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._window = 0  # marks the loss window has seen: 0 (not started), 1 (open) or 2 (closed)
+        self._state_marks: dict[int, int] = {}  # mark -> optimizer state made in the step by then
 
     @property
     def running(self) -> bool:
@@ -69,7 +70,17 @@ class StepMeter:
         self._session = contextlib.ExitStack()
         self._reading = self._session.enter_context(allocator_peak(device))
         self._window = 0
+        self._state_marks = {}
         return True
+
+    def state_made(self, nbytes: int) -> None:
+        """The optimizer, stepping inside the backward, is about to make a parameter's state (0)
+        or made ``nbytes`` of it: state is held outside the step, so the stretches of the step
+        around these marks are measured without what was made by their end."""
+        if self._reading is not None:
+            self._reading.mark()
+            made = max(self._state_marks.values(), default=0) + nbytes
+            self._state_marks[self._window + len(self._state_marks)] = made  # after the loss window's marks
 
     def forward_ended(self, output: object) -> None:
         """The metered module's forward returned ``output``: open the loss window (once a session,
@@ -93,13 +104,22 @@ class StepMeter:
         self._hooks = []
         if self._session is None or self._reading is None:
             return None
+        if self._state_marks:
+            self._reading.mark()  # the stretch after the last state mark
         self._session.close()
         reading, self._session, self._reading = self._reading, None, None
         loss = None
         if len(reading.marks) >= 2:
             forward_end, loss_end = reading.marks[0], reading.marks[1]
             loss = loss_end.peak_before_bytes - forward_end.level_bytes
-        return StepReading(reading.peak_bytes, loss)
+        peak = reading.peak_bytes
+        if self._state_marks:
+            made, stretches = 0, []
+            for index, mark in enumerate(reading.marks):
+                made = self._state_marks.get(index, made)
+                stretches.append(mark.peak_before_bytes - made)
+            peak = max(stretches)
+        return StepReading(peak, loss)
 
 
 @dataclass(frozen=True)

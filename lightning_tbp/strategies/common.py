@@ -14,6 +14,7 @@ With ``dp=...`` the backward becomes DP-SGD's (see :mod:`lightning_tbp.strategie
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from traceback import format_exception_only
@@ -23,6 +24,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.profilers import PyTorchProfiler
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -36,7 +38,7 @@ from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.remat.step import LoopModel, PriorGradients
+from lightning_tbp.remat.step import PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
 from lightning_tbp.strategies.loop import (
     LoopStep,
@@ -48,6 +50,7 @@ from lightning_tbp.strategies.loop import (
     release_gradients_early,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
+from lightning_tbp.strategies.step_in_backward import StepInBackward
 
 
 class PlanAgreementError(RuntimeError):
@@ -117,6 +120,10 @@ class TinyBackpropMixin:
         verify_every_n_steps: besides the first three steps, meter one whole step of the loop in
             this many and check it against the plan (0: the first three only); see
             :class:`~lightning_tbp.strategies.loop.LoopWatch`.
+        optimizer_in_backward: step the optimizer on each parameter inside the backward, as soon as
+            its gradient is complete, and free the gradient at once (one device, no DP; see
+            :mod:`lightning_tbp.strategies.step_in_backward` for what it refuses). The step then
+            never holds every gradient; the plan counts it.
     """
 
     def __init__(
@@ -130,6 +137,7 @@ class TinyBackpropMixin:
         target_delta: float | None = None,
         accountant: str | None = None,
         verify_every_n_steps: int = 50,
+        optimizer_in_backward: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -142,6 +150,8 @@ class TinyBackpropMixin:
                 f"verify_every_n_steps must be an int >= 0 (0: only the first steps), got {verify_every_n_steps!r}"
             )
         self.verify_every_n_steps = verify_every_n_steps
+        self.optimizer_in_backward = optimizer_in_backward
+        self._in_backward: StepInBackward | None = None
         # fail on bad options before training
         self.memory_budget = None if memory_budget is None else parse_budget(memory_budget)
         self.privacy = _private_training(dp, max_grad_norm, noise_multiplier, target_epsilon, target_delta, accountant)
@@ -172,6 +182,8 @@ class TinyBackpropMixin:
         super().setup(trainer)
         if trainer.state.fn == "fit" and self.privacy is not None:
             self.privacy.setup(trainer, self.lightning_module, self._gradient_sum())
+        if trainer.state.fn == "fit" and self.optimizer_in_backward:
+            self._in_backward = self._step_in_backward(trainer)
         if trainer.state.fn == "fit" and self.memory_budget is not None:
             # a new plan for every fit: the last one was removed at teardown (also after a failed or
             # interrupted fit), and a resumed run's model may have changed since
@@ -192,13 +204,17 @@ class TinyBackpropMixin:
                 agree=agree,
                 backward_passes=passes,
                 held=self.held_memory,
-                loop=loop_model(self.lightning_module, self.root_device),
+                loop=loop_model(
+                    self.lightning_module, self.root_device, step_in_backward=self._in_backward is not None
+                ),
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs
             profiled = self.root_device.type == "cpu" and isinstance(trainer.profiler, PyTorchProfiler)
             every = self.verify_every_n_steps
             self._watch = None if profiled else LoopWatch(self.root_device, self._watch_first, every)
+            if self._in_backward is not None:
+                self._in_backward.report_state_to(self._state_made)
             self._watched_plans.clear()
             self._loop_steps.clear()
             self._batch_index = -1
@@ -215,6 +231,29 @@ class TinyBackpropMixin:
             self._clock.forward_started(self.plan.current, args, kwargs, self.root_device)
             if self._watch is not None:
                 self._watch.forward_starting(planned=len(self.plan.shape_plans) > self._plans_at_batch_start)
+
+    def _state_made(self, nbytes: int) -> None:
+        """The optimizer stepping inside the backward makes a parameter's state: the meters keep it apart."""
+        if self.plan is not None:
+            self.plan.state_made(nbytes)
+        if self._watch is not None:
+            self._watch.state_made(nbytes)
+
+    def _step_in_backward(self, trainer: pl.Trainer) -> StepInBackward:
+        if self.privacy is not None:
+            raise ValueError(
+                "optimizer_in_backward=True does not compose with dp= yet: the DP engine writes each clipped "
+                "gradient after its backward passes, not through autograd's accumulation where the step "
+                "hooks in. Use one of the two"
+            )
+        if not isinstance(self, SingleDeviceStrategy):
+            raise ValueError(
+                f"optimizer_in_backward=True runs on one device (strategy='tiny_backprop') for now: "
+                f"{type(self).__name__} reduces the gradients across processes after the backward"
+            )
+        stepping = StepInBackward()
+        stepping.setup(trainer, self.lightning_module, self.optimizers)
+        return stepping
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part
@@ -320,7 +359,7 @@ class TinyBackpropMixin:
             f"tiny_backprop: a step starts with parameter gradients alive ({case.value}), which the plan did not "
             "count: planning for that too"
         )
-        self.plan.set_loop(LoopModel(loop.gradients | {case}, loop.optimizer_step_bytes))
+        self.plan.set_loop(dataclasses.replace(loop, gradients=loop.gradients | {case}))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -396,7 +435,12 @@ class TinyBackpropMixin:
                 self._watch.optimizer_stepping()
             return result
 
-        return super().optimizer_step(optimizer, closure_then_step, model, **kwargs)
+        lightning_step = super().optimizer_step
+        if self._in_backward is not None:
+            return self._in_backward.optimizer_step(
+                optimizer, lambda stepped: lightning_step(stepped, closure_then_step, model, **kwargs)
+            )
+        return lightning_step(optimizer, closure_then_step, model, **kwargs)
 
     @override
     def on_train_end(self) -> None:
@@ -498,6 +542,9 @@ class TinyBackpropMixin:
             self._watch.stop()
         if self.privacy is not None:
             self.privacy.teardown()
+        if self._in_backward is not None:
+            self._in_backward.teardown()
+            self._in_backward = None
         if self._clock_hook is not None:
             self._clock_hook.remove()
             self._clock_hook = None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import lightning.pytorch as pl
 import torch
@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from lightning_tbp.compat import lightning_skips_backward
-from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes
+from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes, parameter_step_ratio
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
@@ -75,18 +75,23 @@ def release_gradients_before_validation(module: pl.LightningModule, last_batch_i
     return window_ended and release_gradients_early(module, last_batch_idx + 1)
 
 
-def loop_model(module: pl.LightningModule, device: torch.device) -> LoopModel:
+def loop_model(module: pl.LightningModule, device: torch.device, step_in_backward: bool = False) -> LoopModel:
     """The cases of the loop the plan must hold in, as its configuration says (a loop seen to
-    keep gradients the configuration did not announce widens it: :func:`case_of_step`)."""
+    keep gradients the configuration did not announce widens it: :func:`case_of_step`).
+    ``step_in_backward``: the optimizer steps inside the backward, so no step's gradients
+    outlive it (only accumulation keeps them)."""
     trainer = module.trainer
     cases = {PriorGradients.RELEASED}
     if module.automatic_optimization:
         if is_overridden("optimizer_zero_grad", module, pl.LightningModule):
             cases.add(PriorGradients.ACCUMULATED)  # the user's zero_grad: nothing known of it
-        elif gradients_observed_before_zero_grad(module):
+        elif gradients_observed_before_zero_grad(module) and not step_in_backward:
             cases.add(PriorGradients.UNTIL_BACKWARD)
         if trainer.accumulate_grad_batches > 1:
             cases.add(PriorGradients.ACCUMULATED)
+    if step_in_backward:
+        ratio = parameter_step_ratio(trainer.optimizers, device)
+        return LoopModel(frozenset(cases), step_in_backward=True, parameter_step_ratio=ratio)
     return LoopModel(frozenset(cases), optimizer_step_bytes(trainer.optimizers, device))
 
 
@@ -129,6 +134,8 @@ class _Open:
     forward_mark: int | None = None  # the mark where its first forward started (after any planning)
     planned: bool = False  # the step made a plan before that forward
     optimizer_mark: int | None = None  # the mark at its optimizer step, when one ran
+    # optimizer state made inside the backward (the step in the backward): mark -> bytes made by then
+    state_marks: dict[int, int] = field(default_factory=dict)
 
 
 class LoopWatch:
@@ -143,7 +150,12 @@ class LoopWatch:
     first metered batch's start (its level less the gradients and batch alive then, less the
     optimizer state); a step is measured above that plus the optimizer state at its start, so
     within the first steps' region anything a step leaves behind (a cache the first step's
-    planning kept) counts in the steps after it."""
+    planning kept) counts in the steps after it.
+
+    When the optimizer steps inside the backward, the first step's state appears there,
+    parameter by parameter: each parameter's first step is marked before and after
+    (:meth:`state_made`), and each stretch between marks is measured above the state made by
+    its end."""
 
     def __init__(self, device: torch.device, first: int = 3, every: int = 50) -> None:
         self.device, self.first, self.every = device, first, every
@@ -215,6 +227,14 @@ class LoopWatch:
             self._mark()
             self._step.optimizer_mark = self._marks - 1
 
+    def state_made(self, nbytes: int) -> None:
+        """Inside the backward, a parameter's first step is about to make its optimizer state (0),
+        or made ``nbytes`` of it: marked, so the stretches around it are measured without it."""
+        if self._step is not None and self._reading is not None:
+            self._mark()
+            made = max(self._step.state_marks.values(), default=0) + nbytes
+            self._step.state_marks[self._marks - 1] = made
+
     def stop(self, state_bytes: int | None = None) -> LoopStep | None:
         """End metering (the fit ends, or the next step is not watched); the step it ended, if any."""
         ended = self._end_step(state_bytes) if state_bytes is not None else None
@@ -242,6 +262,13 @@ class LoopWatch:
         windows = [marks[i].peak_before_bytes for i in cuts]
         if step.optimizer_mark is not None:
             windows[-1] -= grown
+            if step.state_marks and step.forward_mark is not None:  # state made in the backward
+                made = 0
+                backward = []
+                for i in range(step.forward_mark + 1, step.optimizer_mark + 1):
+                    made = step.state_marks.get(i, made)
+                    backward.append(marks[i].peak_before_bytes - made)
+                windows[-2] = max(backward)
         planning = windows.pop(0) - step.base_level if step.planned else None
         peak = max(windows)
         done = LoopStep(step.index, step.case, peak - step.base_level, planning)

@@ -1,0 +1,113 @@
+"""The optimizer's step inside the backward: each parameter is stepped as soon as autograd has
+completed its gradient, and the gradient is freed at once.
+
+A training step then never holds the gradients of the whole model, nor the temporaries an
+optimizer makes over all of them together: what it holds at a time is one parameter's gradient
+and that parameter's step. The weights are exactly those of the ordinary step for optimizers whose
+update of a parameter reads only that parameter's gradient and state (SGD, Adam/AdamW, Adafactor,
+low-bit AdamW), because each parameter is stepped by the user's own optimizer, with its own
+state, learning rate and hooks: for that one step every parameter group but the parameter's own
+is emptied and the parameter's group holds only it, so schedulers, ``state_dict`` and checkpoints
+see the optimizer as it is. Optimizers that read every gradient (LBFGS re-evaluates a closure)
+are refused.
+
+Autograd sums every contribution to a leaf before it accumulates it into ``.grad``, so the hook
+(``Tensor.register_post_accumulate_grad_hook``) runs once per parameter per backward, with the
+finished gradient, also through checkpoints that recompute. Outside :meth:`OptimizerInBackward.stepping`
+nothing is stepped: a micro-batch that only accumulates keeps its gradients as usual, and the
+backward that runs inside steps on the sums. A parameter that has a gradient but got none in that
+backward (it took part only in earlier micro-batches) is stepped as the block ends, as the
+ordinary step would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_tbp.memory.breakdown import state_tensors
+
+#: Optimizers whose step needs every gradient at once (a closure that re-evaluates the loss).
+NEEDS_EVERY_GRADIENT: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
+
+
+class OptimizerInBackward:
+    """Steps ``optimizer`` on each of its parameters inside the backward that completes its gradient.
+
+    ``before_step(param)``, if given, runs on each parameter's finished gradient before its step
+    (clipping a gradient by value, which reads only that gradient). ``state_made(nbytes)``, if
+    given, is told when a parameter's first step is about to make its optimizer state (0) and
+    how many bytes it made (a meter that keeps the state apart from the step marks both
+    instants). Call :meth:`remove` to detach the hooks.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        before_step: Callable[[torch.Tensor], None] | None = None,
+        state_made: Callable[[int], None] | None = None,
+    ) -> None:
+        if isinstance(optimizer, NEEDS_EVERY_GRADIENT):
+            raise ValueError(
+                f"{type(optimizer).__name__} cannot step inside the backward: its step re-evaluates the loss "
+                "with every gradient at hand; use a per-parameter optimizer (SGD, Adam, AdamW, ...)"
+            )
+        self.optimizer = optimizer
+        self.before_step = before_step
+        self.state_made = state_made
+        self._active = False
+        self._group_index: dict[torch.Tensor, int] = {}
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        for index, group in enumerate(optimizer.param_groups):
+            for param in group["params"]:
+                if param in self._group_index:
+                    raise ValueError("a parameter is in two parameter groups of the optimizer")
+                self._group_index[param] = index
+                if param.requires_grad:
+                    self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done))
+        self.stepped = 0  # parameters stepped in the current (or last) ``stepping`` block
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Step each parameter whose gradient a backward inside completes, then any still holding one."""
+        self._active, self.stepped = True, 0
+        try:
+            yield
+            for param in self._group_index:
+                if param.grad is not None:
+                    self._step_and_free(param)
+        finally:
+            self._active = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _gradient_done(self, param: torch.Tensor) -> None:
+        if self._active and param.grad is not None:
+            self._step_and_free(param)
+
+    def _step_and_free(self, param: torch.Tensor) -> None:
+        if self.before_step is not None:
+            self.before_step(param)
+        report = self.state_made if not self.optimizer.state.get(param) else None
+        if report is not None:
+            report(0)
+        groups = self.optimizer.param_groups
+        own = groups[self._group_index[param]]
+        kept = [group["params"] for group in groups]
+        for group in groups:
+            group["params"] = [param] if group is own else []
+        try:
+            self.optimizer.step()
+        finally:
+            for group, params in zip(groups, kept, strict=True):
+                group["params"] = params
+        param.grad = None
+        self.stepped += 1
+        if report is not None:
+            report(sum(t.numel() * t.element_size() for t in state_tensors(self.optimizer.state.get(param, {}))))

@@ -1,0 +1,239 @@
+"""The optimizer inside the backward (``lightning_tbp.optim``, ``optimizer_in_backward=True``):
+weights bitwise equal to the ordinary step's, and everything around it behaves or is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import TinyBackpropStrategy
+from lightning_tbp.optim import OptimizerInBackward
+
+
+class Tied(nn.Module):
+    """A weight read twice (one gradient, summed by autograd before it is accumulated), a block
+    under a non-reentrant checkpoint, and a head that only some steps use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU())
+        self.shared = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.spare = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, spare: bool = False) -> torch.Tensor:
+        h = self.embed(x)
+        h = checkpoint(self.block, h, use_reentrant=False)
+        h = self.shared(torch.tanh(self.shared(h)))
+        return (self.spare if spare else self.head)(h).square().mean()
+
+
+OPTIMIZERS = {
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam_amsgrad": lambda groups: torch.optim.Adam(groups, lr=1e-2, amsgrad=True),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda groups: torch.optim.RMSprop(groups, lr=1e-2, momentum=0.5),
+    "adagrad": lambda groups: torch.optim.Adagrad(groups, lr=1e-2),
+    "adafactor": lambda groups: torch.optim.Adafactor(groups, lr=1e-2),
+    "nadam": lambda groups: torch.optim.NAdam(groups, lr=1e-2),
+}
+
+
+def _groups(model: Tied) -> list[dict]:
+    return [
+        {"params": [*model.embed.parameters(), *model.block.parameters()], "lr_scale": 1},
+        {"params": [*model.shared.parameters(), *model.head.parameters(), *model.spare.parameters()]},
+    ]
+
+
+def _pair(name: str) -> tuple[Tied, torch.optim.Optimizer, Tied, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    plain = Tied()
+    fused = copy.deepcopy(plain)
+    return plain, OPTIMIZERS[name](_groups(plain)), fused, OPTIMIZERS[name](_groups(fused))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    accumulate=st.integers(1, 3),
+    spare_at=st.sets(st.integers(0, 8), max_size=3),
+)
+def test_weights_equal_the_ordinary_steps_bitwise(name: str, accumulate: int, spare_at: set[int]) -> None:
+    """Several steps, micro-batches accumulated before the stepping backward, and parameters that
+    only an earlier micro-batch reached (``spare``): stepped as the block ends."""
+    plain, plain_opt, fused, fused_opt = _pair(name)
+    stepper = OptimizerInBackward(fused_opt)
+    batches = torch.randn(3 * accumulate, 4, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        plain_opt.zero_grad()
+        fused_opt.zero_grad()
+        for micro in range(accumulate):
+            index = step * accumulate + micro
+            x, spare = batches[index], index in spare_at
+            plain(x, spare).backward()
+            if micro < accumulate - 1:
+                fused(x, spare).backward()
+            else:
+                with stepper.stepping():
+                    fused(x, spare).backward()
+        plain_opt.step()
+        assert all(p.grad is None for p in fused.parameters())  # each freed at its step
+    for (path, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.equal(a, b), path
+    assert plain_opt.state_dict()["param_groups"] == fused_opt.state_dict()["param_groups"]
+
+
+def test_a_scheduler_and_the_state_dict_see_the_optimizer_as_it_is() -> None:
+    plain, plain_opt, fused, fused_opt = _pair("adamw")
+    schedules = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (plain_opt, fused_opt)]
+    stepper = OptimizerInBackward(fused_opt)
+    for step in range(3):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        plain(x).backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        with stepper.stepping():
+            fused(x).backward()
+        for schedule in schedules:
+            schedule.step()
+    assert [g["lr"] for g in fused_opt.param_groups] == [g["lr"] for g in plain_opt.param_groups] == [1.25e-3] * 2
+    assert [len(g["params"]) for g in fused_opt.param_groups] == [6, 6]
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), fused.parameters(), strict=True))
+    restored = OPTIMIZERS["adamw"](_groups(fused))
+    restored.load_state_dict(fused_opt.state_dict())
+    assert torch.equal(restored.state[fused.head.weight]["exp_avg"], fused_opt.state[fused.head.weight]["exp_avg"])
+
+
+def test_outside_stepping_gradients_accumulate_as_usual_and_the_hooks_go() -> None:
+    _, _, fused, fused_opt = _pair("sgd")
+    stepper = OptimizerInBackward(fused_opt)
+    before = [p.detach().clone() for p in fused.parameters()]
+    fused(torch.randn(4, 6)).backward()
+    assert all(
+        p.grad is not None for p in fused.parameters() if p is not fused.spare.weight and p is not fused.spare.bias
+    )
+    assert all(torch.equal(a, b) for a, b in zip(before, fused.parameters(), strict=True))
+    stepper.remove()
+    with stepper.stepping():  # hooks gone: only the leftovers are stepped, at the end
+        fused(torch.randn(4, 6)).backward()
+    assert stepper.stepped == 10 and all(p.grad is None for p in fused.parameters())
+
+
+def test_an_optimizer_that_needs_every_gradient_is_refused() -> None:
+    model = Tied()
+    with pytest.raises(ValueError, match="LBFGS cannot step inside the backward"):
+        OptimizerInBackward(torch.optim.LBFGS(model.parameters()))
+
+
+# -- under Lightning ------------------------------------------------------------------------------
+
+
+class Regression(L.LightningModule):
+    def __init__(self, scheduler: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Tied()
+        self.scheduler = scheduler
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0])
+
+    def configure_optimizers(self):  # type: ignore[no-untyped-def]
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-2)
+        if not self.scheduler:
+            return optimizer
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
+
+
+def _loader() -> DataLoader:
+    return DataLoader(TensorDataset(torch.randn(32, 6, generator=torch.Generator().manual_seed(2))), batch_size=4)
+
+
+def _trainer(strategy: TinyBackpropStrategy, tmp_path, **kwargs) -> L.Trainer:  # type: ignore[no-untyped-def]
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"max_steps": 4},
+        {"max_steps": 3, "accumulate_grad_batches": 2},
+        {"max_steps": 3, "gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    ],
+)
+def test_a_fit_ends_with_the_ordinary_fits_weights(options: dict, tmp_path) -> None:
+    modules = []
+    for in_backward in (False, True):
+        module = Regression()
+        strategy = TinyBackpropStrategy(memory_budget=None, optimizer_in_backward=in_backward)
+        _trainer(strategy, tmp_path, enable_checkpointing=False, **options).fit(module, _loader())
+        modules.append(module)
+    plain, fused = modules
+    for (path, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.equal(a, b), path
+
+
+def test_a_resumed_fit_continues_as_one_fit(tmp_path) -> None:
+    """The optimizer's state, the schedule and the hooks survive a checkpoint (saved at an epoch's
+    end: Lightning restarts an unfinished epoch of a plain loader from its first batch)."""
+
+    def fit(module: Regression, root, epochs: int, ckpt_path=None) -> L.Trainer:  # type: ignore[no-untyped-def]
+        strategy = TinyBackpropStrategy(memory_budget=None, optimizer_in_backward=True)
+        trainer = _trainer(strategy, root, max_epochs=epochs)
+        trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+        return trainer
+
+    straight = Regression()
+    fit(straight, tmp_path / "a", epochs=2)
+    fit(Regression(), tmp_path / "b", epochs=1).save_checkpoint(tmp_path / "one.ckpt")
+    resumed = Regression()
+    fit(resumed, tmp_path / "c", epochs=2, ckpt_path=tmp_path / "one.ckpt")
+    for (path, a), b in zip(straight.named_parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b), path
+
+
+class ReadsGradients(Callback):
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: object) -> None:
+        pass
+
+
+class Manual(Regression):
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.automatic_optimization = False
+
+
+@pytest.mark.parametrize(
+    ("module", "options", "strategy_options", "named"),
+    [
+        (Regression, {"gradient_clip_val": 1.0}, {}, "clips by the norm of every gradient"),
+        (Regression, {"callbacks": [ReadsGradients()]}, {}, "on_before_optimizer_step of ReadsGradients"),
+        (Manual, {}, {}, "optimizes manually"),
+        (Regression, {}, {"dp": "ghost", "noise_multiplier": 1.0}, "does not compose with dp="),
+    ],
+)
+def test_what_cannot_compose_is_refused_by_name(module, options, strategy_options, named, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    strategy = TinyBackpropStrategy(memory_budget=None, optimizer_in_backward=True, **strategy_options)
+    trainer = _trainer(strategy, tmp_path, max_steps=1, enable_checkpointing=False, **options)
+    with pytest.raises(ValueError, match=named):
+        trainer.fit(module(), _loader())

@@ -54,6 +54,9 @@ class WholeFit(Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stack.close()
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stack.close()  # a fit that raises (an infeasible budget) leaves no region open
+
 
 class ZooModule(L.LightningModule):
     """A zoo architecture trained on its seeded inputs: the loader hands out rows of its batched

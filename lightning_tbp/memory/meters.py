@@ -73,6 +73,19 @@ class AllocatorPeak:
         return self.marks
 
 
+def peak_apart_from(marks: list[Mark], held_by: dict[int, int], first: int, last: int) -> int:
+    """Highest of the stretches ending at marks ``first``..``last``, each less what ``held_by``
+    says was made by its end (mark index -> bytes, growing; marks it does not name hold the last
+    named value, 0 before any): memory a step makes for outside it (optimizer state), apart."""
+    held, highest = 0, None
+    for index in range(first, last + 1):
+        held = held_by.get(index, held)
+        stretch = marks[index].peak_before_bytes - held
+        highest = stretch if highest is None else max(highest, stretch)
+    assert highest is not None, "an empty range of marks"
+    return highest
+
+
 def foreign_profiler_active() -> bool:
     """Whether a torch profiler not started by these meters is running (a user's, Lightning's
     ``PyTorchProfiler``): the exact CPU meter cannot run beside it."""

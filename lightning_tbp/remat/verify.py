@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, peak_apart_from
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.replay import output_tensors
 from lightning_tbp.remat.signature import batch_size_of
@@ -114,11 +114,7 @@ class StepMeter:
             loss = loss_end.peak_before_bytes - forward_end.level_bytes
         peak = reading.peak_bytes
         if self._state_marks:
-            made, stretches = 0, []
-            for index, mark in enumerate(reading.marks):
-                made = self._state_marks.get(index, made)
-                stretches.append(mark.peak_before_bytes - made)
-            peak = max(stretches)
+            peak = peak_apart_from(reading.marks, self._state_marks, 0, len(reading.marks) - 1)
         return StepReading(peak, loss)
 
 

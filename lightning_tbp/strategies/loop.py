@@ -32,7 +32,7 @@ from torch import nn
 
 from lightning_tbp.compat import lightning_skips_backward
 from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes, parameter_step_ratio
-from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
+from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, peak_apart_from
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
@@ -263,12 +263,7 @@ class LoopWatch:
         if step.optimizer_mark is not None:
             windows[-1] -= grown
             if step.state_marks and step.forward_mark is not None:  # state made in the backward
-                made = 0
-                backward = []
-                for i in range(step.forward_mark + 1, step.optimizer_mark + 1):
-                    made = step.state_marks.get(i, made)
-                    backward.append(marks[i].peak_before_bytes - made)
-                windows[-2] = max(backward)
+                windows[-2] = peak_apart_from(marks, step.state_marks, step.forward_mark + 1, step.optimizer_mark)
         planning = windows.pop(0) - step.base_level if step.planned else None
         peak = max(windows)
         done = LoopStep(step.index, step.case, peak - step.base_level, planning)

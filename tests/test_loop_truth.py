@@ -106,6 +106,7 @@ def _fit(module: L.LightningModule, data: object, strategy: TinyBackpropStrategy
         "plan": shape_plan,
         "loop_steps": strategy.loop_steps(),
         "strategy": strategy,
+        "module": module,
     }
 
 
@@ -166,9 +167,10 @@ def test_a_whole_fit_with_the_optimizer_in_the_backward_holds_its_promise(accumu
     activations. With each parameter stepped where its gradient completes and the gradient freed,
     the plan counts that step (exactly where no earlier gradients are held; as an upper bound
     with accumulation), every metered step holds it, and a device budget below the ordinary
-    step's lowest plan, refused there, is met."""
+    step's lowest plan, refused there, is met: forced, or by the planner's own choice ("auto",
+    the default), with the weights of the ordinary step."""
 
-    def run(in_backward: bool, budget: int) -> dict:
+    def run(in_backward: bool | str, budget: int) -> dict:
         module = ZooModule("sdxl_unet", batch=1)
         loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=1)
         strategy = TinyBackpropStrategy(memory_budget=budget, optimizer_in_backward=in_backward)
@@ -189,6 +191,11 @@ def test_a_whole_fit_with_the_optimizer_in_the_backward_holds_its_promise(accumu
     with pytest.raises(InfeasibleBudgetError):
         run(False, tight)
     _assert_the_promise_holds(run(True, tight))
+    chosen = run("auto", tight)
+    _assert_the_promise_holds(chosen)
+    assert chosen["plan"].loop.step_in_backward and chosen["plan"].actions
+    for (path, a), b in zip(ordinary["module"].named_parameters(), chosen["module"].parameters(), strict=True):
+        assert torch.equal(a, b), path
 
 
 @pytest.mark.slow

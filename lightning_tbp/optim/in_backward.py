@@ -33,6 +33,29 @@ from lightning_tbp.memory.breakdown import state_tensors
 #: Optimizers whose step needs every gradient at once (a closure that re-evaluates the loss).
 NEEDS_EVERY_GRADIENT: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
 
+#: Optimizers whose update of a parameter reads only its own gradient and state, checked bitwise
+#: against their ordinary step (tests/test_optimizer_in_backward.py): the ones a planner may step
+#: inside the backward without being asked (``optimizer_in_backward="auto"``). Exact classes:
+#: a subclass may override ``step`` with anything.
+PER_PARAMETER: tuple[type[Optimizer], ...] = (
+    torch.optim.SGD,
+    torch.optim.Adam,
+    torch.optim.AdamW,
+    torch.optim.Adamax,
+    torch.optim.NAdam,
+    torch.optim.RAdam,
+    torch.optim.RMSprop,
+    torch.optim.Rprop,
+    torch.optim.Adagrad,
+    torch.optim.Adadelta,
+    torch.optim.Adafactor,
+)
+
+
+def steps_per_parameter(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is known to update each parameter from its own gradient alone."""
+    return type(optimizer) in PER_PARAMETER
+
 
 class OptimizerInBackward:
     """Steps ``optimizer`` on each of its parameters inside the backward that completes its gradient.
@@ -41,7 +64,9 @@ class OptimizerInBackward:
     (clipping a gradient by value, which reads only that gradient). ``state_made(nbytes)``, if
     given, is told when a parameter's first step is about to make its optimizer state (0) and
     how many bytes it made (a meter that keeps the state apart from the step marks both
-    instants). Call :meth:`remove` to detach the hooks.
+    instants). ``enabled=False`` keeps the hooks idle (and ``stepping`` a no-op) until
+    ``enabled`` is set, so that a planner can take the step into the backward from the next
+    backward on. Call :meth:`remove` to detach the hooks.
     """
 
     def __init__(
@@ -49,6 +74,7 @@ class OptimizerInBackward:
         optimizer: Optimizer,
         before_step: Callable[[torch.Tensor], None] | None = None,
         state_made: Callable[[int], None] | None = None,
+        enabled: bool = True,
     ) -> None:
         if isinstance(optimizer, NEEDS_EVERY_GRADIENT):
             raise ValueError(
@@ -58,6 +84,7 @@ class OptimizerInBackward:
         self.optimizer = optimizer
         self.before_step = before_step
         self.state_made = state_made
+        self.enabled = enabled
         self._active = False
         self._group_index: dict[torch.Tensor, int] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
@@ -77,7 +104,7 @@ class OptimizerInBackward:
         try:
             yield
             for param in self._group_index:
-                if param.grad is not None:
+                if self.enabled and param.grad is not None:
                     self._step_and_free(param)
         finally:
             self._active = False
@@ -88,7 +115,7 @@ class OptimizerInBackward:
         self._handles.clear()
 
     def _gradient_done(self, param: torch.Tensor) -> None:
-        if self._active and param.grad is not None:
+        if self._active and self.enabled and param.grad is not None:
             self._step_and_free(param)
 
     def _step_and_free(self, param: torch.Tensor) -> None:

@@ -51,8 +51,8 @@ from lightning_tbp.remat.signature import (
     input_signature,
 )
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.solve import PLANNING_MARGIN, Solver
-from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, step_model_for
+from lightning_tbp.remat.solve import PLANNING_MARGIN, InfeasibleBudgetError, Solver
+from lightning_tbp.remat.step import PLAIN_LOOP, LoopAlternative, LoopModel, step_model_for
 from lightning_tbp.remat.trace import Trace
 from lightning_tbp.remat.verify import StepMeter, StepReading, Verification
 
@@ -96,6 +96,7 @@ class Plan:
         backward_passes: int = 1,
         held: Callable[[], HeldMemory] | None = None,
         loop: LoopModel = PLAIN_LOOP,
+        alternative: LoopAlternative | None = None,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -112,7 +113,10 @@ class Plan:
         :meth:`MemoryBudget.resolve`).
         ``loop``: the gradients the training loop holds when a step starts and its optimizer
         step (``step.LoopModel``); plans hold in every case it lists. By default a step starts
-        without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`."""
+        without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`.
+        ``alternative``: a change to the loop that lowers its memory, taken (and every shape
+        solved again in it) the first time a shape's budget cannot be met in ``loop``; an
+        infeasible budget's error names what it would reach and, where it is blocked, why."""
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
@@ -120,6 +124,9 @@ class Plan:
         self.backward_passes = backward_passes
         self.held = held
         self.loop = loop
+        self._base_loop = loop  # the loop before any alternative: a fractional budget is of its naive peak
+        self.alternative = alternative
+        self.actions: tuple[str, ...] = ()  # the alternatives taken, as the reports describe them
         self.module = module
         self.measure = measure
         self.batch_ceiling = batch_ceiling
@@ -221,8 +228,8 @@ class Plan:
         """Whether plans may use selective blocks, whose cache torch hands to one backward only."""
         return self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
 
-    def _solver(self, trace: Trace, loss_bytes: int) -> Solver:
-        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, self.loop)
+    def _solver(self, trace: Trace, loss_bytes: int, loop: LoopModel | None = None) -> Solver:
+        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, self.loop if loop is None else loop)
         return Solver(simulator, selective=self._selective())
 
     def set_loop(self, loop: LoopModel) -> None:
@@ -232,6 +239,8 @@ class Plan:
         if loop == self.loop:
             return
         self.loop = loop
+        if not self.actions:
+            self._base_loop = loop
         for key, shape_plan in list(self.shape_plans.items()):
             profile = self._profiles[key]
             profile.solver = self._solver(profile.trace, profile.solver.sim.loss_bytes)
@@ -291,9 +300,64 @@ class Plan:
         return shape_plan
 
     def _solve_profile(self, profile: _Profile, correction: float) -> ShapePlan:
+        """Solve in the loop in force; where that cannot meet the budget, in the alternative loop,
+        which is then taken for every shape."""
+        try:
+            solved = self._solve_with(profile, profile.solver, correction)
+        except InfeasibleBudgetError as error:
+            if self.alternative is None:
+                raise
+            solved = self._solve_in_alternative(profile, correction, error, self.alternative)
+        solved.actions = self.actions
+        return solved
+
+    def _solve_in_alternative(
+        self, profile: _Profile, correction: float, error: InfeasibleBudgetError, alternative: LoopAlternative
+    ) -> ShapePlan:
+        loop = alternative.loop(self.loop)
+        solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, loop)
+        without = format_bytes(error.minimum_budget_bytes)
+        try:
+            solved = self._solve_with(profile, solver, correction)
+        except InfeasibleBudgetError as lower:
+            within = format_bytes(lower.minimum_budget_bytes)
+            if alternative.blocked is not None or lower.minimum_budget_bytes >= error.minimum_budget_bytes:
+                blocked = "" if alternative.blocked is None else f", but it cannot be taken here: {alternative.blocked}"
+                error.add_note(f"{alternative.action} would lower the minimum to {within}{blocked}")
+                raise error from None
+            # the fraction it names is of the user's loop's naive peak, as the budget's is
+            reached = InfeasibleBudgetError(lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes)
+            for note in getattr(lower, "__notes__", []):
+                reached.add_note(note)
+            reached.add_note(f"that minimum is with {alternative.action}, which this run may take; without it {without}")
+            raise reached from None
+        if alternative.blocked is not None:
+            error.add_note(
+                f"{alternative.action} would meet this budget (a plan with it peaks at "
+                f"{format_bytes(solved.predicted_peak_bytes)} in the step), but it "
+                f"cannot be taken here: {alternative.blocked}"
+            )
+            raise error from None
+        self.alternative = None
+        self.actions = (
+            f"{alternative.action}: the step's budget {format_bytes(solved.budget_bytes)} is below the ordinary "
+            f"loop's minimum {without}; it lowers the unplanned step's peak from "
+            f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)} "
+            "and recomputes nothing",
+        )
+        profile.solver = solver
+        self.set_loop(loop)  # the shapes planned so far, solved again in it
+        alternative.adopt()
+        log.warning("lightning_tbp: taking %s", self.actions[0])
+        return solved
+
+    def _solve_with(self, profile: _Profile, solver: Solver, correction: float) -> ShapePlan:
+        fraction_of = None
+        if solver.sim.loop != self._base_loop and self.budget.kind == "fraction":
+            fraction_of = self._solver(profile.trace, solver.sim.loss_bytes, self._base_loop).naive().peak_bytes
         return solve_shape(
             profile.trace,
-            profile.solver,
+            solver,
             profile.signature,
             profile.batch_size,
             self.budget,
@@ -303,6 +367,7 @@ class Plan:
             loss_measured=profile.loss_measured,
             batch_ceiling=self.batch_ceiling,
             module_name=type(self.module).__name__,
+            fraction_of=fraction_of,
         )
 
     def _activate(self, shape_plan: ShapePlan) -> None:

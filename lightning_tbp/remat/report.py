@@ -37,6 +37,7 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         if sp.loss_bytes
         else "the loss computed from the module's outputs is not counted until a metered step measures it",
     ]
+    lines += [f"taken besides recomputation: {action}" for action in sp.actions]
     if sp.correction > 1:
         lines.append(
             f"re-planned: an earlier plan for this shape measured {sp.correction:.3f}x its prediction, so this one "
@@ -76,6 +77,8 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "loop": {
             "gradients_at_forward": sorted(case.value for case in sp.loop.gradients),
             "optimizer_step_bytes": sp.loop.optimizer_step_bytes,
+            "step_in_backward": sp.loop.step_in_backward,
+            "actions": list(sp.actions),
             "predicted_peak_bytes_by_case": {case.value: peak for case, peak in sp.planned.case_peaks.items()},
         },
         "measured_peak_bytes": sp.measured_peak_bytes,

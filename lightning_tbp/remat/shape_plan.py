@@ -56,6 +56,7 @@ class ShapePlan:
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
     loop: LoopModel = PLAIN_LOOP  # the training loop's cases it holds in
+    actions: tuple[str, ...] = ()  # loop alternatives the plan took beyond recomputation, described
     blocks: list[BlockDecision] = field(default_factory=list)
     edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
     peak_block: str = ""  # the block whose forward, recompute or backward the predicted peak falls in
@@ -115,6 +116,7 @@ def solve_shape(
     loss_measured: bool = False,
     batch_ceiling: int | None = None,
     module_name: str = "module",
+    fraction_of: int | None = None,
 ) -> ShapePlan:
     """The cheapest plan for ``trace`` under ``budget`` (see :class:`Solver`).
 
@@ -122,10 +124,12 @@ def solve_shape(
     solved for the budget divided by it, so the measured peak lands under the budget.
     Raises :class:`InfeasibleBudgetError` with notes on what took the memory; "auto" on a device
     without a memory limit falls back to the minimum feasible budget with a warning.
+    ``fraction_of``: the naive peak a fractional budget is of, where that is another loop's (the
+    user's, when the plan took an alternative); default: ``solver``'s.
     """
     simulator = solver.sim
     naive = solver.naive()
-    budget_bytes = budget.resolve(naive.peak_bytes, device, held)
+    budget_bytes = budget.resolve(fraction_of or naive.peak_bytes, device, held)
     plannable = [n for n in trace.nodes[1:] if n.has_events]
     if not plannable:
         warnings.warn(

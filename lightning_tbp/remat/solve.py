@@ -74,6 +74,7 @@ class InfeasibleBudgetError(ValueError):
     def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int) -> None:
         minimum = budget_for_peak(minimum_peak_bytes)
         self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
+        self.minimum_peak_bytes = minimum_peak_bytes
         super().__init__(
             f"memory budget {format_bytes(budget_bytes)} is below the minimum feasible budget "
             f"{format_bytes(minimum)} ({minimum / naive_bytes:.3f} of the naive peak "

@@ -126,6 +126,22 @@ class LoopModel:
 PLAIN_LOOP = LoopModel()
 
 
+@dataclass(frozen=True)
+class LoopAlternative:
+    """A change to the training loop that lowers the step's memory (the optimizer stepping inside
+    the backward), which a plan takes only when its own loop cannot meet the budget.
+
+    ``action`` names it in reports and errors; ``loop`` gives the loop with it from the loop in
+    force; ``blocked`` says why this run cannot take it (None: it can), so that an infeasible
+    budget names what would meet it and what stands in the way; ``adopt`` switches the run to it
+    (called once, before the step whose plan needs it runs its backward)."""
+
+    action: str
+    loop: Callable[[LoopModel], LoopModel]
+    adopt: Callable[[], None]
+    blocked: str | None = None
+
+
 @dataclass
 class LayerNote:
     """A layer the step model treats apart, as the profiling forward saw it. The reporter fills

@@ -18,7 +18,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable
 from traceback import format_exception_only
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -33,12 +33,13 @@ from typing_extensions import override
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.breakdown import tensor_bytes
-from lightning_tbp.memory.held import HeldMemory, held_memory
+from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
+from lightning_tbp.optim import steps_per_parameter
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.remat.step import PriorGradients
+from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
 from lightning_tbp.strategies.loop import (
     LoopStep,
@@ -48,9 +49,10 @@ from lightning_tbp.strategies.loop import (
     loop_model,
     release_gradients_before_validation,
     release_gradients_early,
+    with_step_in_backward,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
-from lightning_tbp.strategies.step_in_backward import StepInBackward
+from lightning_tbp.strategies.step_in_backward import StepInBackward, refusals_of
 
 
 class PlanAgreementError(RuntimeError):
@@ -123,7 +125,11 @@ class TinyBackpropMixin:
         optimizer_in_backward: step the optimizer on each parameter inside the backward, as soon as
             its gradient is complete, and free the gradient at once (one device, no DP; see
             :mod:`lightning_tbp.strategies.step_in_backward` for what it refuses). The step then
-            never holds every gradient; the plan counts it.
+            never holds every gradient; the plan counts it. ``"auto"`` (default): only where the
+            budget cannot be met otherwise, and only for optimizers known to update each parameter
+            from its own gradient (``lightning_tbp.optim.PER_PARAMETER``); the plan report says
+            so, and an infeasible budget's error names what blocks it. ``True``: always (refused
+            by name where it cannot run); ``False``: never.
     """
 
     def __init__(
@@ -137,10 +143,12 @@ class TinyBackpropMixin:
         target_delta: float | None = None,
         accountant: str | None = None,
         verify_every_n_steps: int = 50,
-        optimizer_in_backward: bool = False,
+        optimizer_in_backward: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if optimizer_in_backward not in (True, False, "auto"):
+            raise ValueError(f"optimizer_in_backward must be True, False or 'auto', got {optimizer_in_backward!r}")
         if (
             isinstance(verify_every_n_steps, bool)
             or not isinstance(verify_every_n_steps, int)
@@ -182,8 +190,9 @@ class TinyBackpropMixin:
         super().setup(trainer)
         if trainer.state.fn == "fit" and self.privacy is not None:
             self.privacy.setup(trainer, self.lightning_module, self._gradient_sum())
-        if trainer.state.fn == "fit" and self.optimizer_in_backward:
-            self._in_backward = self._step_in_backward(trainer)
+        alternative = None
+        if trainer.state.fn == "fit" and self.optimizer_in_backward is not False:
+            self._in_backward, alternative = self._step_in_backward(trainer)
         if trainer.state.fn == "fit" and self.memory_budget is not None:
             # a new plan for every fit: the last one was removed at teardown (also after a failed or
             # interrupted fit), and a resumed run's model may have changed since
@@ -205,8 +214,11 @@ class TinyBackpropMixin:
                 backward_passes=passes,
                 held=self.held_memory,
                 loop=loop_model(
-                    self.lightning_module, self.root_device, step_in_backward=self._in_backward is not None
+                    self.lightning_module,
+                    self.root_device,
+                    step_in_backward=self._in_backward is not None and self._in_backward.enabled,
                 ),
+                alternative=alternative,
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs
@@ -239,21 +251,56 @@ class TinyBackpropMixin:
         if self._watch is not None:
             self._watch.state_made(nbytes)
 
-    def _step_in_backward(self, trainer: pl.Trainer) -> StepInBackward:
-        if self.privacy is not None:
+    def _step_in_backward(self, trainer: pl.Trainer) -> tuple[StepInBackward | None, LoopAlternative | None]:
+        """The optimizer inside the backward as ``optimizer_in_backward`` asks: set up and on
+        (``True``; what blocks it raises), or idle with the plan's alternative that turns it on
+        (``"auto"``; what blocks it goes into the alternative, for the plan's errors to name)."""
+        automatic = self.optimizer_in_backward == "auto"
+        if automatic and self.memory_budget is None:
+            return None, None  # no plan to take it
+        blocked = self._blocks_step_in_backward(trainer, automatic)
+        if not automatic and blocked:
             raise ValueError(
-                "optimizer_in_backward=True does not compose with dp= yet: the DP engine writes each clipped "
-                "gradient after its backward passes, not through autograd's accumulation where the step "
-                "hooks in. Use one of the two"
+                "optimizer_in_backward=True cannot run here: "
+                + "; ".join(blocked)
+                + ". Change these, or train with optimizer_in_backward=False"
+            )
+        stepping = None
+        if not blocked:
+            stepping = StepInBackward(enabled=not automatic)
+            stepping.setup(trainer, self.lightning_module, self.optimizers)
+        if not automatic:
+            return stepping, None
+        optimizers, device = self.optimizers, self.root_device
+        alternative = LoopAlternative(
+            action="the optimizer step inside the backward (optimizer_in_backward='auto')",
+            loop=lambda loop: with_step_in_backward(loop, parameter_step_ratio(optimizers, device)),
+            adopt=stepping.enable if stepping is not None else _never,
+            blocked="; ".join(blocked) if blocked else None,
+        )
+        return stepping, alternative
+
+    def _blocks_step_in_backward(self, trainer: pl.Trainer, automatic: bool) -> list[str]:
+        """What keeps the optimizer from stepping inside the backward in this fit, by name."""
+        blocked = []
+        if self.privacy is not None:
+            blocked.append(
+                "it does not compose with dp= yet: the DP engine writes each clipped gradient after its backward "
+                "passes, not through autograd's accumulation where the step hooks in"
             )
         if not isinstance(self, SingleDeviceStrategy):
-            raise ValueError(
-                f"optimizer_in_backward=True runs on one device (strategy='tiny_backprop') for now: "
-                f"{type(self).__name__} reduces the gradients across processes after the backward"
+            blocked.append(
+                f"it runs on one device (strategy='tiny_backprop') for now: {type(self).__name__} reduces the "
+                "gradients across processes after the backward"
             )
-        stepping = StepInBackward()
-        stepping.setup(trainer, self.lightning_module, self.optimizers)
-        return stepping
+        blocked += refusals_of(trainer, self.lightning_module, self.optimizers)
+        unknown = [type(o).__name__ for o in self.optimizers if not steps_per_parameter(o)]
+        if automatic and unknown and len(self.optimizers) == 1:
+            blocked.append(
+                f"{', '.join(unknown)} is not known to update each parameter from its own gradient alone, so the "
+                "weights could differ from its ordinary step (optimizer_in_backward=True takes it if it does)"
+            )
+        return blocked
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part
@@ -429,6 +476,8 @@ class TinyBackpropMixin:
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_step() -> Any:
             result = closure()  # the last micro-batch's forward and backward
+            if self._in_backward is not None:
+                self._in_backward.backward_done()
             if self.privacy is not None:
                 self.privacy.finish_logical_batch(add_noise=self.global_rank == 0)
             if self._watch is not None:
@@ -551,6 +600,10 @@ class TinyBackpropMixin:
         if self.plan is not None:
             self.plan.remove()  # the module is restored; the plan object stays for its reports
         super().teardown()
+
+
+def _never() -> None:
+    raise AssertionError("a blocked alternative is never taken")
 
 
 def _tensor_bytes_on(batch: object, device: torch.device) -> int:

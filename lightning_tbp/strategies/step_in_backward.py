@@ -1,6 +1,11 @@
-"""The Lightning side of ``optimizer_in_backward=True``: what cannot compose with it is refused by
-name at setup, and Lightning's optimizer step runs its closure with the step done inside the
-closure's backward (:class:`lightning_tbp.optim.OptimizerInBackward`).
+"""The Lightning side of ``optimizer_in_backward``: what cannot compose with it is refused by name
+at setup (``True``) or keeps the planner from taking it (``"auto"``), and Lightning's optimizer
+step runs its closure with the step done inside the closure's backward
+(:class:`lightning_tbp.optim.OptimizerInBackward`).
+
+With ``"auto"`` the hooks are set up idle, and the plan enables them when a budget cannot be met
+otherwise; that happens in a training forward, inside the closure of the step it plans, so each
+step decides after its closure's backward whether the optimizer still has to step.
 
 Lightning calls ``Strategy.optimizer_step`` once per optimizer step, with a closure that runs the
 last micro-batch's ``training_step``, ``zero_grad`` and backward, then the hooks and gradient
@@ -25,24 +30,32 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.in_backward import NEEDS_EVERY_GRADIENT
 
 
 class StepInBackward:
-    """One fit's optimizer inside the backward, for a strategy that trains on one device."""
+    """One fit's optimizer inside the backward, for a strategy that trains on one device.
 
-    def __init__(self) -> None:
+    ``enabled=False``: set up idle, stepping as usual until :meth:`enable`."""
+
+    def __init__(self, enabled: bool = True) -> None:
         self.stepper: OptimizerInBackward | None = None
+        self._enabled = enabled
         self._trainer: pl.Trainer | None = None
+        self._clip: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def enable(self) -> None:
+        """Step inside the backward from the next backward on."""
+        self._enabled = True
+        if self.stepper is not None:
+            self.stepper.enabled = True
 
     def setup(self, trainer: pl.Trainer, module: pl.LightningModule, optimizers: list[Optimizer]) -> None:
-        """Refuse what cannot compose (``ValueError`` naming it), then hook the optimizer in."""
-        refusals = refusals_of(trainer, module, optimizers)
-        if refusals:
-            raise ValueError(
-                "optimizer_in_backward=True cannot run here: "
-                + "; ".join(refusals)
-                + ". Change these, or train with optimizer_in_backward=False"
-            )
+        """Hook the optimizer in; what cannot compose must have been refused (:func:`refusals_of`)."""
         clip = trainer.gradient_clip_val
         before_step = None
         if clip:
@@ -52,23 +65,27 @@ class StepInBackward:
                 assert param.grad is not None
                 param.grad.clamp_(min=-limit, max=limit)  # as torch.nn.utils.clip_grad_value_
 
-        self.stepper = OptimizerInBackward(optimizers[0], before_step)
+        self.stepper = OptimizerInBackward(optimizers[0], before_step, enabled=self._enabled)
         self._trainer = trainer
 
     def optimizer_step(self, optimizer: Optimizer, lightning_step: Callable[[Any], Any]) -> Any:
-        """Run Lightning's step (closure, hooks) with ``optimizer``'s step inside its backward.
-
-        Clipping by value was done per parameter before its step, so the precision plugin's own
-        clipping after the closure, which would find no gradient left, is switched off meanwhile."""
+        """Run Lightning's step (closure, hooks) with ``optimizer``'s step inside its backward (or,
+        while idle, after the closure as usual). The closure must call :meth:`backward_done`."""
         trainer = self._trainer
         assert self.stepper is not None and trainer is not None and optimizer is self.stepper.optimizer
-        clip = trainer.gradient_clip_val
-        trainer.gradient_clip_val = None
+        self._clip = trainer.gradient_clip_val
         try:
             with self.stepper.stepping():
-                return lightning_step(_StepDoneInBackward(optimizer))
+                return lightning_step(_StepDoneInBackward(optimizer, self.stepper))
         finally:
-            trainer.gradient_clip_val = clip
+            trainer.gradient_clip_val = self._clip
+
+    def backward_done(self) -> None:
+        """The closure's backward ended. If it stepped, clipping by value was done per parameter
+        before its step, so the precision plugin's own clipping after the closure, which would
+        find no gradient left, is switched off until the step ends."""
+        if self._enabled and self._trainer is not None:
+            self._trainer.gradient_clip_val = None
 
     def report_state_to(self, state_made: Callable[[int], None]) -> None:
         """Tell ``state_made`` around each parameter's first step (``OptimizerInBackward.state_made``)."""
@@ -84,6 +101,8 @@ class StepInBackward:
 def refusals_of(trainer: pl.Trainer, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[str]:
     """What in this fit needs every gradient between the backward and the step, by name."""
     refusals = []
+    if len(optimizers) == 1 and isinstance(optimizers[0], NEEDS_EVERY_GRADIENT):
+        refusals.append(f"{type(optimizers[0]).__name__}'s step re-evaluates the loss with every gradient at hand")
     if not module.automatic_optimization:
         refusals.append(
             "the module optimizes manually (automatic_optimization=False), so its backward runs outside "
@@ -113,14 +132,19 @@ def refusals_of(trainer: pl.Trainer, module: pl.LightningModule, optimizers: lis
 
 
 class _StepDoneInBackward:
-    """The optimizer as the precision plugin steps it: the step already happened in the closure's
-    backward, so ``step`` runs the closure only; everything else is the optimizer's."""
+    """The optimizer as the precision plugin steps it: ``step`` runs the closure, whose backward
+    stepped each parameter (or, while the stepper is idle, steps after it as usual); everything
+    else is the optimizer's."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, stepper: OptimizerInBackward) -> None:
         self._optimizer = optimizer
+        self._stepper = stepper
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
-        return closure() if closure is not None else None
+        result = closure() if closure is not None else None
+        if not self._stepper.enabled:
+            self._optimizer.step(**kwargs)
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._optimizer, name)

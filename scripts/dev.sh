@@ -22,7 +22,7 @@ ensure_env() {
     "$VENV/bin/python" -m pip install -q --upgrade pip
     # torch first, pinned: the CPU build of the tested version
     "$VENV/bin/python" -m pip install -q "$(grep '^torch==' requirements-ci.txt)"
-    "$VENV/bin/python" -m pip install -q -c requirements-ci.txt -e ".[dev]"
+    "$VENV/bin/python" -m pip install -q -c requirements-ci.txt -e ".[dev,lowbit]"
     echo "$want" > "$stamp"
   fi
 }

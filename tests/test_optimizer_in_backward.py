@@ -16,7 +16,9 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
-from lightning_tbp.optim import PER_PARAMETER, OptimizerInBackward
+from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.optim import PER_PARAMETER, OptimizerInBackward, steps_per_parameter
+from lightning_tbp.optim.choice import is_low_bit, make_optimizer
 
 
 class Tied(nn.Module):
@@ -347,3 +349,42 @@ def test_below_what_even_the_step_inside_the_backward_reaches_the_error_names_bo
     error = raised.value
     assert 0.3 < error.minimum_budget_bytes / error.naive_bytes < 0.5  # of the ordinary loop's naive peak
     assert any("that minimum is with the optimizer step inside the backward" in n for n in error.__notes__)
+
+
+# -- low-bit optimizer state (torchao) ------------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_low_bit_optimizers_step_inside_the_backward_bitwise(name: str) -> None:
+    """torchao's low-bit AdamW quantizes each large parameter's moments on its own, so stepping it
+    inside the backward gives the ordinary step's weights and codes, bit for bit (eager here:
+    its compiled step is the same per-parameter function, compiled)."""
+    pytest.importorskip("torchao.optim")
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(64, 1024), nn.GELU(), nn.Linear(1024, 64))
+    fused = copy.deepcopy(plain)
+    plain_opt, fused_opt = (make_optimizer(name, m.parameters(), lr=1e-2, weight_decay=0.01) for m in (plain, fused))
+    assert steps_per_parameter(fused_opt) and is_low_bit(fused_opt)
+    stepper = OptimizerInBackward(fused_opt)
+    with torch.compiler.set_stance("force_eager"):
+        for step in range(3):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            plain(x).square().mean().backward()
+            plain_opt.step()
+            plain_opt.zero_grad()
+            with stepper.stepping():
+                fused(x).square().mean().backward()
+    for (path, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
+        assert torch.equal(a, b), path
+    weight = fused[0].weight
+    codes = [t for t in state_tensors(fused_opt.state[weight]) if t.dtype == torch.uint8]
+    assert codes and all(t.numel() * t.element_size() <= weight.numel() for t in codes)  # a byte or less each
+
+
+def test_a_recipe_names_its_optimizer_and_an_unknown_one_is_refused() -> None:
+    params = [nn.Parameter(torch.zeros(4))]
+    assert isinstance(make_optimizer("adamw", params, 1e-3, 0.0), torch.optim.AdamW)
+    assert isinstance(make_optimizer("adafactor", params, 1e-3, 0.0), torch.optim.Adafactor)
+    with pytest.raises(ValueError, match="optimizer must be one of adamw, adamw8bit, adamw4bit, adafactor"):
+        make_optimizer("lion", params, 1e-3, 0.0)

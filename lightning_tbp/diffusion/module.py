@@ -26,6 +26,7 @@ from lightning_tbp.diffusion.lora import LoraOptions, add_lora, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
+from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.strategies.privacy import wants_per_sample_loss
 
 
@@ -40,7 +41,10 @@ class DiffusionModule(L.LightningModule):
             ``transformer`` subfolder holds it (fine-tuning). Exclusive with ``model_config``.
         prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"``.
         num_train_timesteps, beta_schedule: the DDPM noise schedule.
-        lr, weight_decay, lr_warmup_steps: AdamW with a linear warm-up.
+        lr, weight_decay, lr_warmup_steps: the optimizer's, with a linear warm-up.
+        optimizer: ``"adamw"``; ``"adamw8bit"``/``"adamw4bit"`` (torchao's low-bit state, about
+            a quarter/eighth of AdamW's for large tensors; changes the numerics: your choice,
+            counted by the plan as it is); ``"adafactor"`` (factored second moments).
         ema_decay: keep an exponential moving average of the weights (sampled and exported).
         sample_images, sample_steps, sampler, guidance_scale: the grid drawn after each
             validation (0 images: none); guidance applies to DiT labels.
@@ -65,6 +69,7 @@ class DiffusionModule(L.LightningModule):
         beta_schedule: str = "linear",
         lr: float = 1e-4,
         weight_decay: float = 0.0,
+        optimizer: OptimizerName = "adamw",
         lr_warmup_steps: int = 0,
         ema_decay: float | None = None,
         sample_images: int = 16,
@@ -165,7 +170,7 @@ class DiffusionModule(L.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.model.parameters() if p.requires_grad]  # the adapters alone under LoRA
-        optimizer = torch.optim.AdamW(trainable, lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        optimizer = make_optimizer(self.hparams.optimizer, trainable, self.hparams.lr, self.hparams.weight_decay)
         warmup = self.hparams.lr_warmup_steps
         if warmup <= 0:
             return optimizer

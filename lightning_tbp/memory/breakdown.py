@@ -57,8 +57,18 @@ def _storages_bytes(tensors: Iterable[torch.Tensor], device_type: str, seen: set
 
 
 def state_tensors(state: object) -> Iterator[torch.Tensor]:
-    """Every tensor in one parameter's optimizer state (nested dicts, lists and tuples included)."""
+    """Every tensor in one parameter's optimizer state (nested dicts, lists and tuples included).
+
+    A tensor subclass that keeps its data in inner tensors (torchao's low-bit optimizer states:
+    8-bit codes and a scale per block, shown as a float32 tensor of the parameter's shape) is
+    replaced by those, through the subclass protocol's ``__tensor_flatten__``: its own apparent
+    size is not what it holds, and its storage is empty."""
     if isinstance(state, torch.Tensor):
+        if hasattr(type(state), "__tensor_flatten__") and not isinstance(state, DTensor):
+            names, _ = state.__tensor_flatten__()  # type: ignore[attr-defined]  # the subclass protocol
+            for name in names:
+                yield from state_tensors(getattr(state, name))
+            return
         yield state
     elif isinstance(state, dict):
         for value in state.values():

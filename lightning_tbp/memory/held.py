@@ -6,9 +6,9 @@ anyway: this process's parameters (its shards under FSDP2, EMA copies included) 
 optimizer state, including the state that does not exist yet. Torch's optimizers create their
 state at the first ``step()``, after the plan was made for the first batch, so that part is
 predicted: a throwaway copy of the optimizer (same class, same defaults) takes one step on a
-small probe parameter, and every state tensor of the probe's size is one more copy of each
-parameter. This works for any optimizer that keeps per-parameter state the size of the
-parameter, with no table of optimizer classes to keep up to date.
+probe of each distinct parameter shape, and what it keeps is counted as it is (full copies,
+factored rows and columns, low-bit codes and scales), with no table of optimizer classes to keep
+up to date.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import math
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tbp.memory.breakdown import state_tensors, tensor_bytes
 from lightning_tbp.memory.meters import allocator_peak
-
-_PROBE_NUMEL = 7  # an odd size no scalar state (step counters) can be mistaken for
 
 
 @dataclass(frozen=True)
@@ -52,37 +51,48 @@ def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], 
 
 
 def _pending_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
-    """Bytes the optimizer's first step will allocate for parameters that have no state yet."""
-    stateless = [
-        p
-        for group in optimizer.param_groups
+    """Bytes the optimizer's first step will allocate on ``device`` for parameters that have no
+    state yet: a twin's state for a probe of each distinct shape, dtype and group, times how many
+    parameters share it (see :func:`state_bytes_of_a_step`)."""
+    shapes: Counter[tuple[int, tuple[int, ...], torch.dtype]] = Counter(
+        (index, tuple(_local(p).shape), p.dtype)
+        for index, group in enumerate(optimizer.param_groups)
         for p in group["params"]
         if p.requires_grad and not optimizer.state.get(p) and p.device.type == device.type
-    ]
-    if not stateless:
-        return 0
-    copies = state_copies_per_parameter(optimizer)
-    return copies * sum(local_bytes(p) for p in stateless)
+    )
+    return sum(
+        count * state_bytes_of_a_step(optimizer, optimizer.param_groups[index], shape, dtype)
+        for (index, shape, dtype), count in shapes.items()
+    )
 
 
-def state_copies_per_parameter(optimizer: torch.optim.Optimizer) -> int:
-    """How many parameter-sized tensors this optimizer keeps per parameter (Adam 2, SGD with momentum 1).
-
-    The probe is a vector, so an optimizer that factors the state of matrices (Adafactor) is
-    counted as if it kept a full copy: an overestimate, which errs on the safe side."""
-    probe = torch.zeros(_PROBE_NUMEL, requires_grad=True)
-    probe.grad = torch.ones(_PROBE_NUMEL)
+def state_bytes_of_a_step(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], shape: tuple[int, ...], dtype: torch.dtype
+) -> int:
+    """The state one step of ``optimizer`` makes for a parameter of ``shape`` and ``dtype`` in
+    ``group``: a fresh twin (same class, defaults and group options) steps a zero probe of that
+    shape on the CPU, once, and its state is counted as :func:`~lightning_tbp.memory.breakdown.state_tensors`
+    reads it, so whatever the optimizer keeps comes out as it is, with no table of optimizers:
+    Adam's two copies, Adafactor's factored rows and columns of a matrix, torchao's 8-bit and
+    4-bit codes and block scales (only for parameters large enough to quantize). Scalars (step
+    counters, kept on the CPU unless the step is fused or capturable) are left out. The twin runs
+    with ``torch.compile`` off (``force_eager``): a compiled step (torchao's) keeps the same state,
+    and compiling one probe per shape would cost more than the step."""
+    probe = torch.zeros(shape, dtype=dtype, requires_grad=True)
+    probe.grad = torch.ones_like(probe)
+    options = {k: v for k, v in group.items() if k != "params"}
     try:
-        twin = _twin(optimizer, [probe], portable=True)
-        twin.step()
+        twin = _twin(optimizer, [{**options, "params": [probe]}], portable=True)
+        with torch.compiler.set_stance("force_eager"):
+            twin.step()
     except Exception as error:  # an optimizer we cannot imitate: say so rather than guess
         warnings.warn(
             f"lightning_tbp: cannot predict the state of {type(optimizer).__name__} ({error}); "
             "the memory budget leaves no room for the optimizer state its first step creates",
-            stacklevel=3,
+            stacklevel=4,
         )
         return 0
-    return sum(1 for t in state_tensors(twin.state.get(probe, {})) if t.numel() == _PROBE_NUMEL)
+    return sum(t.numel() * t.element_size() for t in state_tensors(twin.state.get(probe, {})) if t.dim() > 0)
 
 
 def _twin(optimizer: torch.optim.Optimizer, params: list[Any], portable: bool) -> torch.optim.Optimizer:
@@ -169,7 +179,9 @@ def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]]
         highest = 0
         for _ in range(2):  # the first makes the state (not counted), the second steps with it
             before = _state_bytes(twin)
-            with allocator_peak(device) as reading:
+            # eager: a compiled step (torchao's) fuses its temporaries away, and compiling
+            # the replica's shapes would cost more than the step; eager's are an upper bound
+            with allocator_peak(device) as reading, torch.compiler.set_stance("force_eager"):
                 twin.step()
             highest = max(highest, reading.peak_bytes - (_state_bytes(twin) - before))
     except Exception as error:
@@ -195,5 +207,9 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 def local_bytes(param: torch.Tensor) -> int:
     """Bytes of this process's part of ``param``: its shard when FSDP2 sharded it into a DTensor
     (its gradient and optimizer state are shards too), all of it otherwise."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = _local(param)
     return local.numel() * local.element_size()
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param

@@ -29,6 +29,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.optim.choice import is_low_bit
 
 #: Optimizers whose step needs every gradient at once (a closure that re-evaluates the loss).
 NEEDS_EVERY_GRADIENT: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
@@ -53,8 +54,9 @@ PER_PARAMETER: tuple[type[Optimizer], ...] = (
 
 
 def steps_per_parameter(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is known to update each parameter from its own gradient alone."""
-    return type(optimizer) in PER_PARAMETER
+    """Whether ``optimizer`` is known to update each parameter from its own gradient alone: one of
+    :data:`PER_PARAMETER`, or torchao's low-bit AdamW (checked bitwise in the same tests)."""
+    return type(optimizer) in PER_PARAMETER or is_low_bit(optimizer)
 
 
 class OptimizerInBackward:

@@ -329,7 +329,9 @@ class Plan:
             reached = InfeasibleBudgetError(lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes)
             for note in getattr(lower, "__notes__", []):
                 reached.add_note(note)
-            reached.add_note(f"that minimum is with {alternative.action}, which this run may take; without it {without}")
+            reached.add_note(
+                f"that minimum is with {alternative.action}, which this run may take; without it {without}"
+            )
             raise reached from None
         if alternative.blocked is not None:
             error.add_note(

@@ -61,8 +61,8 @@ def state_tensors(state: object) -> Iterator[torch.Tensor]:
 
     A tensor subclass that keeps its data in inner tensors (torchao's low-bit optimizer states:
     8-bit codes and a scale per block, shown as a float32 tensor of the parameter's shape) is
-    replaced by those, through the subclass protocol's ``__tensor_flatten__``: its own apparent
-    size is not what it holds, and its storage is empty."""
+    replaced by those, through the subclass protocol's ``__tensor_flatten__``: its own size and
+    storage are the apparent float32 tensor's, not what it holds."""
     if isinstance(state, torch.Tensor):
         if hasattr(type(state), "__tensor_flatten__") and not isinstance(state, DTensor):
             names, _ = state.__tensor_flatten__()  # type: ignore[attr-defined]  # the subclass protocol

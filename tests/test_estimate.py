@@ -28,6 +28,7 @@ from lightning_tbp.estimate import (
     TrainingStep,
     estimate_config,
     estimate_step,
+    format_estimate,
     lightning_step,
     measure_step,
 )
@@ -112,6 +113,37 @@ def test_zoo_naive_peak_within_five_percent(name: str) -> None:
 def test_held_out_architectures_naive_peak_within_five_percent(name: str) -> None:
     """Architectures the estimate was not built around (``zoo_models.HELD_OUT``)."""
     _assert_close(_zoo_step(name))
+
+
+@pytest.mark.parametrize("name", ["sdxl_unet", "dit"])
+def test_the_optimizer_stepping_inside_the_backward_is_estimated_within_five_percent(name: str) -> None:
+    """The estimate runs the same stepper the strategies use; its device total against the same
+    step measured exactly, and the smallest device a plan reaches lower than the ordinary step's
+    (no gradient outlives its parameter's step, no step follows the backward)."""
+    build = _zoo_step(name)
+    fused = estimate_step(build, device=CPU, step_in_backward=True)
+    measured = measure_step(build, step_in_backward=True)
+    assert abs(fused.naive_peak_bytes / measured.peak_bytes - 1) <= TOLERANCE, (fused.naive_peak_bytes, measured)
+    ordinary = estimate_step(build, device=CPU)
+    assert fused.step_in_backward and fused.optimizer_step_peak_bytes < 0.01 * ordinary.optimizer_step_peak_bytes
+    assert fused.minimum_device_bytes is not None and ordinary.minimum_device_bytes is not None
+    assert fused.minimum_device_bytes < ordinary.minimum_device_bytes
+
+
+def test_a_config_that_does_not_fit_is_estimated_with_the_step_the_planner_would_take_too() -> None:
+    """Under tiny_backprop (optimizer_in_backward='auto'), a device the ordinary step cannot fit
+    is tried with the optimizer inside the backward, and the report says what that reaches."""
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    ordinary = estimate_config(["-c", config], device_memory=1 << 20)
+    fused = ordinary.with_step_in_backward
+    assert fused is not None and fused.step_in_backward and not ordinary.step_in_backward
+    assert ordinary.minimum_device_bytes is not None and fused.minimum_device_bytes is not None
+    assert fused.minimum_device_bytes < ordinary.minimum_device_bytes
+    assert "inside the backward" in format_estimate(ordinary)
+    off = estimate_config(
+        ["-c", config, "--trainer.strategy.init_args.optimizer_in_backward=false"], device_memory=1 << 20
+    )
+    assert off.with_step_in_backward is None
 
 
 def test_a_step_that_reads_tensor_values_is_refused_naming_the_line() -> None:
@@ -294,7 +326,9 @@ _WHOLE_FIT = [
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["auto", "tiny_backprop"], ids=["lightning", "tiny_backprop"])
+@pytest.mark.parametrize(
+    "strategy", ["auto", "tiny_backprop", "in_backward"], ids=["lightning", "tiny_backprop", "in_backward"]
+)
 def test_the_main_job_config_is_estimated_within_five_percent_of_its_whole_fit(strategy: str) -> None:
     """``tbp estimate -c configs/ddpm_unet_tiny.yaml`` against the exact peak of a whole
     ``Trainer.fit`` of that config (three steps, the first included): under Lightning's own loop
@@ -305,6 +339,8 @@ def test_the_main_job_config_is_estimated_within_five_percent_of_its_whole_fit(s
 
     config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
     chosen = ["--trainer.strategy=auto"] if strategy == "auto" else ["--trainer.strategy.init_args.memory_budget=null"]
+    if strategy == "in_backward":  # each parameter stepped inside the backward, estimated so
+        chosen.append("--trainer.strategy.init_args.optimizer_in_backward=true")
     args = ["-c", config, *_WHOLE_FIT, *chosen]
     estimate = estimate_config(args, minimum=False)
     assert estimate.device == "cpu"

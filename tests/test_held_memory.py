@@ -40,8 +40,9 @@ def _low_bit(name: str):  # type: ignore[no-untyped-def]
     ],
 )
 def test_the_predicted_state_of_factored_and_low_bit_optimizers_is_what_their_first_step_makes(make) -> None:
-    """Predicted per shape before the first step, equal to the bytes the real step then holds
-    (the parameters are large enough for torchao to quantize them, and a bias too small to)."""
+    """Predicted per shape before the first step, within 2% of the bytes the real step then holds
+    (the parameters are large enough for torchao to quantize them, and a bias too small to; a
+    large one is probed scaled down, so its shared code book is counted more than once)."""
     net = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 128))
     optimizer = make(net.parameters())
     predicted = held_memory(net, [optimizer], torch.device("cpu")).optimizer_state_pending
@@ -49,8 +50,7 @@ def test_the_predicted_state_of_factored_and_low_bit_optimizers_is_what_their_fi
     with torch.compiler.set_stance("force_eager"):  # torchao compiles its step: the same state, minutes sooner
         optimizer.step()
     made = tensor_bytes(net, [optimizer], "cpu").optimizer_state
-    scalars = 8 * len(list(net.parameters()))  # step counters, at most 8 bytes each
-    assert predicted <= made <= predicted + scalars + 2048  # torchao's 8-bit code book, shared by all
+    assert abs(predicted - made) <= 0.02 * made, (predicted, made)
     param_bytes = sum(p.numel() * p.element_size() for p in net.parameters())
     assert made < param_bytes  # less than one full copy: neither factored nor low-bit state is counted as one
 

@@ -322,7 +322,7 @@ def test_a_loop_step_is_measured_from_its_batch_to_the_next() -> None:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_low_bit_optimizer_state_is_counted_as_it_is_and_a_budget_adamw_cannot_meet_is_met() -> None:
     """torchao's 8-bit AdamW keeps about a quarter of AdamW's state: predicted before the first
-    step to the byte (but for its shared code book), it leaves the plan more of a device budget,
+    step within 1% (its shared code book counted once per probe), it leaves the plan more of a device budget,
     and a budget that AdamW's state puts out of reach of every plan is met, on every step (eager:
     torchao compiles its step, the same state and arithmetic, minutes later on this CPU)."""
     pytest.importorskip("torchao.optim")
@@ -340,7 +340,7 @@ def test_low_bit_optimizer_state_is_counted_as_it_is_and_a_budget_adamw_cannot_m
     predicted = first["plan"].held
     made = first["strategy"].held_memory()
     assert predicted.optimizer_state_pending > 0 and made.optimizer_state_pending == 0
-    assert 0 <= made.optimizer_state - predicted.optimizer_state <= 2048
+    assert abs(made.optimizer_state - predicted.optimizer_state) <= 0.01 * made.optimizer_state
     assert predicted.optimizer_state < 0.3 * 2 * predicted.parameters  # AdamW would keep two full copies
     budget = predicted.total + int(0.4 * first["plan"].naive.peak_bytes)
     with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible budget"):

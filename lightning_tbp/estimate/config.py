@@ -20,6 +20,7 @@ from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
 from lightning_tbp.lightning_cli import run_lightning_cli
+from lightning_tbp.optim import steps_per_parameter
 from lightning_tbp.remat.step import PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
@@ -92,12 +93,27 @@ def estimate_config(
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mixed.append(str(trainer.precision).endswith("-mixed"))
-        in_backward.append(bool(getattr(trainer.strategy, "optimizer_in_backward", False)))
+        modes.append(
+            (getattr(trainer.strategy, "optimizer_in_backward", False), _blocks_step_in_backward(trainer, step))
+        )
         return step
 
     mixed: list[bool] = []
-    in_backward: list[bool] = []
+    modes: list[tuple[bool | str, list[str]]] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
+    mode, blocked = modes[0]
+    if mode is True:
+        if blocked:
+            raise EstimateConfigError(f"optimizer_in_backward=True cannot run in this config: {'; '.join(blocked)}")
+        modes.clear()
+        estimate = estimate_step(
+            build, device=device, device_memory=device_memory, minimum=minimum, step_in_backward=True
+        )
+    elif mode == "auto" and not blocked and estimate.fit is not None and not _fits(estimate):
+        # what the planner would take: the same step with the optimizer inside the backward
+        estimate.with_step_in_backward = estimate_step(
+            build, device=device, device_memory=device_memory, minimum=minimum, step_in_backward=True
+        )
     if estimate.device == "cuda" and any(mixed):
         warnings.warn(
             "mixed precision on CUDA is estimated with CPU autocast's op lists, which keep group norm, layer norm "
@@ -105,11 +121,25 @@ def estimate_config(
             "lower bound (a 128x128 DDPM U-Net in bf16-mixed measured 1.7x its estimate on an H100; docs/estimate.md)",
             stacklevel=2,
         )
-    if any(in_backward):
-        warnings.warn(
-            "optimizer_in_backward=True is not modelled by the estimate yet: it estimates the ordinary step, "
-            "which holds every gradient and steps after the backward (an upper bound); the strategy's plan counts "
-            "the step inside the backward",
-            stacklevel=2,
-        )
     return estimate
+
+
+def _fits(estimate: StepEstimate) -> bool:
+    fit = estimate.fit
+    return fit is not None and (fit.fits_without_plan or fit.fits_with_plan)
+
+
+def _blocks_step_in_backward(trainer: pl.Trainer, step: TrainingStep) -> list[str]:
+    """What keeps this config's optimizer from stepping inside the backward (as the strategies
+    decide at setup: ``strategies/common.py``), by name."""
+    blocked = []
+    if getattr(trainer.strategy, "privacy", None) is not None:
+        blocked.append("dp= does not compose with it yet")
+    if step.layout.kind != "single":
+        blocked.append("it runs on one device for now")
+    if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "value":
+        blocked.append("gradient_clip_val clips by the norm of every gradient")
+    unknown = [type(o).__name__ for o in step.optimizers if not steps_per_parameter(o)]
+    if unknown:
+        blocked.append(f"{', '.join(unknown)} is not known to update each parameter from its own gradient alone")
+    return blocked

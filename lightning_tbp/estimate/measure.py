@@ -11,13 +11,15 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_tbp.compat import tree_flatten
-from lightning_tbp.estimate.step import TrainingStep, clear_grads, module_state_bytes, storage_bytes
+from lightning_tbp.estimate.step import TrainingStep, clear_grads, module_state_bytes, stepping, storage_bytes
 from lightning_tbp.memory.breakdown import state_tensors
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
+from lightning_tbp.optim import OptimizerInBackward
 
 
 @dataclass(frozen=True)
@@ -30,14 +32,27 @@ class MeasuredStep:
         return self.held_bytes + self.step_peak_bytes
 
 
-def measure_step(build: Callable[[], TrainingStep], device: str = "cpu") -> MeasuredStep:
+def measure_step(
+    build: Callable[[], TrainingStep], device: str = "cpu", step_in_backward: bool = False
+) -> MeasuredStep:
+    """``step_in_backward``: the metered step steps each parameter inside its backward."""
     step = build()
     step.optimizer_step(step.forward_backward)
     clear_grads(step)
     parameters, seen = module_state_bytes(step.modules, 1)
     state = storage_bytes((t for o in step.optimizers for s in o.state.values() for t in state_tensors(s)), 1, seen)
     batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
+    stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
+
+    def closure() -> Any:
+        with stepping(stepper):
+            return step.forward_backward()
+
     gc.collect()
-    with garbage_collection_held(), allocator_peak(device) as meter:
-        step.optimizer_step(step.forward_backward)
+    try:
+        with garbage_collection_held(), allocator_peak(device) as meter:
+            step.optimizer_step(closure)
+    finally:
+        if stepper is not None:
+            stepper.remove()
     return MeasuredStep(sum(parameters.values()) + state + batch, meter.peak_bytes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from lightning_tbp.estimate.step import StepEstimate
+from lightning_tbp.estimate.step import PlanFit, StepEstimate
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
@@ -44,6 +44,10 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         "layout": estimate.layout,
         "world_size": estimate.world_size,
         "estimate_seconds": estimate.estimate_seconds,
+        "step_in_backward": estimate.step_in_backward,
+        "with_step_in_backward": (
+            None if estimate.with_step_in_backward is None else estimate_dict(estimate.with_step_in_backward)
+        ),
     }
 
 
@@ -62,8 +66,9 @@ def format_estimate(estimate: StepEstimate) -> str:
     width = max(len(label) for label, _ in rows)
     step = "" if estimate.step_model == "plain" else f", {estimate.step_model} (the DP engine's backward)"
     lines = [f"tbp estimate: one training step on {estimate.device}{per}{step}"]
-    if estimate.gradients_at_forward != {PriorGradients.RELEASED}:
-        lines.append(f"  the loop modelled: {LoopModel(estimate.gradients_at_forward).describe()}")
+    if estimate.gradients_at_forward != {PriorGradients.RELEASED} or estimate.step_in_backward:
+        loop = LoopModel(estimate.gradients_at_forward, step_in_backward=estimate.step_in_backward)
+        lines.append(f"  the loop modelled: {loop.describe()}")
     lines += [f"  {label:<{width}}  {format_bytes(size):>12}" for label, size in rows if size]
     lines.append(f"  {'naive peak (device total)':<{width}}  {format_bytes(estimate.naive_peak_bytes):>12}")
     if estimate.minimum_device_bytes is not None:
@@ -71,20 +76,21 @@ def format_estimate(estimate: StepEstimate) -> str:
             f"  {'smallest device with a plan':<{width}}  {format_bytes(estimate.minimum_device_bytes):>12}"
             f"  (lowest plan recomputes ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step at most)"
         )
-    fit = estimate.fit
-    if fit is not None:
-        size = format_bytes(fit.device_memory_bytes)
-        if fit.fits_without_plan:
-            lines.append(f"fits in {size} without a plan")
-        elif fit.fits_with_plan:
-            lines.append(
-                f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "
-                f"{fit.planned_blocks} blocks recomputed, ~{fit.recompute_time_ratio:.0%} extra step time "
-                f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with "
-                f"--trainer.strategy=tiny_backprop --trainer.strategy.memory_budget={fit.device_memory_bytes}"
+    if estimate.fit is not None:
+        lines.append(_fit_line(estimate.fit))
+    fused = estimate.with_step_in_backward
+    if fused is not None:
+        lines.append(
+            "with the optimizer stepping each parameter inside the backward (the strategy takes it by itself "
+            f"here, optimizer_in_backward='auto'): naive peak {format_bytes(fused.naive_peak_bytes)}"
+            + (
+                ""
+                if fused.minimum_device_bytes is None
+                else f", smallest device with a plan {format_bytes(fused.minimum_device_bytes)}"
             )
-        else:
-            lines.append(f"does not fit in {size}: {fit.reason}")
+        )
+        if fused.fit is not None:
+            lines.append("  " + _fit_line(fused.fit))
     if estimate.unmeasured_workspace_ops:
         lines.append(
             f"  ({estimate.unmeasured_workspace_ops} ops too large to run on this machine: their kernels' temporaries "
@@ -92,3 +98,17 @@ def format_estimate(estimate: StepEstimate) -> str:
         )
     lines.append(f"(estimated in {estimate.estimate_seconds:.1f} s; what the figures model: docs/estimate.md)")
     return "\n".join(lines)
+
+
+def _fit_line(fit: PlanFit) -> str:
+    size = format_bytes(fit.device_memory_bytes)
+    if fit.fits_without_plan:
+        return f"fits in {size} without a plan"
+    if fit.fits_with_plan:
+        return (
+            f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "
+            f"{fit.planned_blocks} blocks recomputed, ~{fit.recompute_time_ratio:.0%} extra step time "
+            f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with "
+            f"--trainer.strategy=tiny_backprop --trainer.strategy.memory_budget={fit.device_memory_bytes}"
+        )
+    return f"does not fit in {size}: {fit.reason}"

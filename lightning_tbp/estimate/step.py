@@ -14,6 +14,10 @@ data, so a model of any size costs this machine almost nothing. Then:
    device size, the cheapest plan that fits. Everything around the target (noise, loss, the
    batch) is what the metered step peaked at beyond the simulated target, and is added as is.
 
+With ``step_in_backward`` the metered step and the simulator both step the optimizer on each
+parameter inside the backward (``lightning_tbp.optim``), as the strategies do: the closure runs
+inside the stepper, and the optimizer's own step after it finds no gradient left.
+
 The byte figures are those of the eager step in fake tensors; what fake tensors cannot show
 (kernel workspaces, the allocator's rounding and library workspaces on CUDA) comes from the
 :class:`~lightning_tbp.estimate.device.DeviceModel`.
@@ -39,6 +43,8 @@ from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.held import parameter_step_ratio
+from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
@@ -143,6 +149,8 @@ class StepEstimate:
     world_size: int = 1
     communication_bytes: int = 0  # DDP's gradient buckets (held); FSDP2's gathered units (in the step)
     fit: PlanFit | None = None
+    step_in_backward: bool = False  # the optimizer steps each parameter inside the backward
+    with_step_in_backward: StepEstimate | None = None  # the same step so, where "auto" would take it
 
     @property
     def held_bytes(self) -> int:
@@ -176,6 +184,7 @@ def estimate_step(
     device: str | DeviceModel | None = None,
     device_memory: int | None = None,
     minimum: bool = True,
+    step_in_backward: bool = False,
 ) -> StepEstimate:
     """Estimate the training step that ``build`` makes (called under fake tensors).
 
@@ -183,7 +192,8 @@ def estimate_step(
     as is, and otherwise the plan that fits (or why none does). ``minimum``: also find the
     smallest device the lowest plan fits in (a solver run at an infeasible budget; seconds on
     models with hundreds of blocks). ``device``: the device modelled; by default the step's own
-    (``TrainingStep.device``).
+    (``TrainingStep.device``). ``step_in_backward``: the optimizer steps each parameter inside
+    the backward (``optimizer_in_backward``).
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -211,7 +221,8 @@ def estimate_step(
 
         handle = step.target.register_forward_pre_hook(profile, with_kwargs=True)
         try:
-            step.optimizer_step(step.forward_backward)
+            with torch.compiler.set_stance("force_eager"):  # a compiled optimizer (torchao's) keeps the same state
+                step.optimizer_step(step.forward_backward)
         finally:
             handle.remove()
         if not traces:
@@ -230,14 +241,23 @@ def estimate_step(
         trainable = [p for m in step.modules.values() for p in m.parameters() if p.requires_grad]
         gradient_bytes = storage_bytes(trainable, model.allocation_rounding, set())
         phases = {"forward_backward": 0, "optimizer_step": 0}
-        for case in sorted(step.gradients_at_forward, key=_CASE_ORDER.index):  # each leaves gradients for the next
-            for phase, peak in _metered_step(step, case, trainable, model.allocation_rounding).items():
-                phases[phase] = max(phases[phase], peak)
+        stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
+        loop = LoopModel(step.gradients_at_forward)
+        if stepper is not None:
+            loop = LoopModel(loop.gradients - {PriorGradients.UNTIL_BACKWARD})  # no step's gradients outlive it
+        try:
+            for case in sorted(loop.gradients, key=_CASE_ORDER.index):  # each leaves gradients for the next
+                for phase, peak in _metered_step(step, case, trainable, model.allocation_rounding, stepper).items():
+                    phases[phase] = max(phases[phase], peak)
+        finally:
+            if stepper is not None:
+                stepper.remove()
         step_model = step_model_for(step.target)
+    if stepper is not None:  # per byte, measured on this CPU's allocator, outside the fake tensors
+        loop = loop.with_step_in_backward(parameter_step_ratio(step.optimizers, torch.device("cpu")))
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
-    loop = LoopModel(step.gradients_at_forward)
     solver = Solver(Simulator(trace, step_model, loop=loop), selective=step_model.backward_passes == 1)
     target_naive = solver.naive().peak_bytes
     # what the kernels allocate beyond their outputs, where it falls in the step (measured here)
@@ -265,7 +285,8 @@ def estimate_step(
         minimum_plan_recompute_time_ratio=None,
         estimate_seconds=0.0,
         step_model=step_model.name,
-        gradients_at_forward=step.gradients_at_forward,
+        gradients_at_forward=loop.gradients,
+        step_in_backward=step_in_backward,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:
@@ -280,10 +301,15 @@ _CASE_ORDER = [PriorGradients.RELEASED, PriorGradients.UNTIL_BACKWARD, PriorGrad
 
 
 def _metered_step(
-    step: TrainingStep, case: PriorGradients, trainable: list[nn.Parameter], rounding: int
+    step: TrainingStep,
+    case: PriorGradients,
+    trainable: list[nn.Parameter],
+    rounding: int,
+    stepper: OptimizerInBackward | None = None,
 ) -> dict[str, int]:
     """One step under the live-bytes meter in ``case``: the peaks of its forward and backward and
-    of its optimizer step, above what is held (the gradients alive at its start counted)."""
+    of its optimizer step, above what is held (the gradients alive at its start counted); with
+    ``stepper``, each parameter stepped inside the backward."""
     if case is PriorGradients.RELEASED:
         clear_grads(step)
     zero_grad = step.zero_grad_before_backward if case is PriorGradients.UNTIL_BACKWARD else None
@@ -293,7 +319,8 @@ def _metered_step(
         meter.count([p.grad for p in trainable if p.grad is not None])
 
         def metered_closure() -> Any:
-            result = step.forward_backward()
+            with stepping(stepper):
+                result = step.forward_backward()
             phases["forward_backward"] = meter.peak
             meter.reset_peak()
             return result
@@ -301,12 +328,19 @@ def _metered_step(
         if zero_grad is not None:
             zero_grad(True)
         try:
-            step.optimizer_step(metered_closure)
+            with torch.compiler.set_stance("force_eager"):
+                step.optimizer_step(metered_closure)
         finally:
             if zero_grad is not None:
                 zero_grad(False)
         phases["optimizer_step"] = meter.peak
     return phases
+
+
+def stepping(stepper: OptimizerInBackward | None) -> contextlib.AbstractContextManager[None]:
+    """``stepper``'s stepping block (nothing without one): run a closure in it, and the optimizer's
+    own step after the closure finds no gradient left to step."""
+    return contextlib.nullcontext() if stepper is None else stepper.stepping()
 
 
 def storage_bytes(tensors: Any, rounding: int, seen: set[int]) -> int:

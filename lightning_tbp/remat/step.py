@@ -108,6 +108,15 @@ class LoopModel:
     step_in_backward: bool = False
     parameter_step_ratio: float = 0.0
 
+    def with_step_in_backward(self, parameter_step_ratio: float) -> LoopModel:
+        """This loop with the optimizer stepping inside the backward: no step's gradients outlive
+        its backward (only accumulation keeps them), and no step comes after it."""
+        return LoopModel(
+            self.gradients - {PriorGradients.UNTIL_BACKWARD},
+            step_in_backward=True,
+            parameter_step_ratio=parameter_step_ratio,
+        )
+
     def describe(self) -> str:
         cases = {
             PriorGradients.RELEASED: "none",

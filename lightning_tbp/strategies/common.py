@@ -49,7 +49,6 @@ from lightning_tbp.strategies.loop import (
     loop_model,
     release_gradients_before_validation,
     release_gradients_early,
-    with_step_in_backward,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
 from lightning_tbp.strategies.step_in_backward import StepInBackward, refusals_of
@@ -274,7 +273,7 @@ class TinyBackpropMixin:
         optimizers, device = self.optimizers, self.root_device
         alternative = LoopAlternative(
             action="the optimizer step inside the backward (optimizer_in_backward='auto')",
-            loop=lambda loop: with_step_in_backward(loop, parameter_step_ratio(optimizers, device)),
+            loop=lambda loop: loop.with_step_in_backward(parameter_step_ratio(optimizers, device)),
             adopt=stepping.enable if stepping is not None else _never,
             blocked="; ".join(blocked) if blocked else None,
         )

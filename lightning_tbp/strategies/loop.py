@@ -90,18 +90,8 @@ def loop_model(module: pl.LightningModule, device: torch.device, step_in_backwar
         if trainer.accumulate_grad_batches > 1:
             cases.add(PriorGradients.ACCUMULATED)
     if step_in_backward:
-        return with_step_in_backward(LoopModel(frozenset(cases)), parameter_step_ratio(trainer.optimizers, device))
+        return LoopModel(frozenset(cases)).with_step_in_backward(parameter_step_ratio(trainer.optimizers, device))
     return LoopModel(frozenset(cases), optimizer_step_bytes(trainer.optimizers, device))
-
-
-def with_step_in_backward(loop: LoopModel, parameter_step_ratio: float) -> LoopModel:
-    """``loop`` with the optimizer stepping inside the backward: no step's gradients outlive its
-    backward (only accumulation keeps them), and no step comes after it."""
-    return LoopModel(
-        loop.gradients - {PriorGradients.UNTIL_BACKWARD},
-        step_in_backward=True,
-        parameter_step_ratio=parameter_step_ratio,
-    )
 
 
 def gradient_bytes(params: Iterable[nn.Parameter]) -> int:

@@ -1,9 +1,10 @@
 """Well-known training setups through ``tbp estimate``'s Python API: the device sizes they need.
 
 Each setup builds a diffusers model at its real size from its published configuration (no
-weights, no hub), a batch of its real shapes and AdamW, under fake tensors; the estimate gives
-the naive device peak and the smallest device a plan reaches, so whether it fits 24/40/80 GiB
-as is, with a plan, or not at all. Every setup runs in this one process, one after the other; the script
+weights, no hub), a batch of its real shapes and its optimizer (AdamW, or torchao's 8-bit
+AdamW), under fake tensors, with the optimizer stepped after the backward or each parameter
+inside it (``in_backward``); the estimate gives the naive device peak and the smallest device a
+plan reaches, so whether it fits 12/16/24/40/80 GiB as is, with a plan, or not at all. Every setup runs in this one process, one after the other; the script
 reports each estimate's wall time and the process's peak resident memory (what an estimate
 costs this machine).
 
@@ -26,10 +27,11 @@ from torch import nn
 
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora
 from lightning_tbp.estimate import CUDA, TrainingStep, estimate_dict, estimate_step
+from lightning_tbp.optim.choice import make_optimizer
 from lightning_tbp.remat.budget import format_bytes
 
 GiB = 1024**3
-DEVICES = (24 * GiB, 40 * GiB, 80 * GiB)
+DEVICES = (12 * GiB, 16 * GiB, 24 * GiB, 40 * GiB, 80 * GiB)
 
 
 def sd15_unet() -> nn.Module:
@@ -82,6 +84,18 @@ SETUPS: dict[str, dict] = {
     "sdxl_lora_1024_b1": dict(model=sdxl_unet, latent=128, batch=1, text=(77, 2048), kind="sdxl", lora=16),
     "sdxl_lora_1024_b4": dict(model=sdxl_unet, latent=128, batch=4, text=(77, 2048), kind="sdxl", lora=16),
     "sdxl_full_1024_b1": dict(model=sdxl_unet, latent=128, batch=1, text=(77, 2048), kind="sdxl"),
+    "sd15_full_512_b4_in_backward": dict(
+        model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", in_backward=True
+    ),
+    "sd15_full_512_b4_adamw8bit_in_backward": dict(
+        model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", in_backward=True, optimizer="adamw8bit"
+    ),
+    "sdxl_full_1024_b1_in_backward": dict(
+        model=sdxl_unet, latent=128, batch=1, text=(77, 2048), kind="sdxl", in_backward=True
+    ),
+    "sdxl_full_1024_b1_adamw8bit_in_backward": dict(
+        model=sdxl_unet, latent=128, batch=1, text=(77, 2048), kind="sdxl", in_backward=True, optimizer="adamw8bit"
+    ),
     "dit_l2_256_b32": dict(model=dit_l(2), latent=32, batch=32, kind="dit"),
     "dit_l8_256_b32": dict(model=dit_l(8), latent=32, batch=32, kind="dit"),
     "flux_lora_1024_b1": dict(model=flux, latent=128, batch=1, kind="flux", lora=16),
@@ -107,7 +121,8 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
         batch: dict[str, torch.Tensor] = {"latents": latents}
         if "text" in setup:
             batch["text"] = torch.zeros(n, *setup["text"])
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_optimizer(setup.get("optimizer", "adamw"), trainable, lr=1e-5, weight_decay=0.01)
 
         def predict() -> torch.Tensor:
             kind = setup["kind"]
@@ -152,7 +167,7 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         started = time.perf_counter()
-        estimate = estimate_step(build_for(setup), device=CUDA)
+        estimate = estimate_step(build_for(setup), device=CUDA, step_in_backward=setup.get("in_backward", False))
         # the smallest device with a plan bounds every larger one: it fits there with a plan too
         fits = {
             f"{size // GiB}GiB": "as is"
@@ -162,6 +177,8 @@ def main() -> None:
         }
         row = {
             "setup": name,
+            "optimizer": setup.get("optimizer", "adamw"),
+            "in_backward": setup.get("in_backward", False),
             **estimate_dict(estimate),
             "fits_by_device": fits,
             "wall_seconds": time.perf_counter() - started,

@@ -232,3 +232,15 @@ def test_a_modules_parameter_table_can_be_read_and_replaced() -> None:
     assert "weight" in Seen.reads  # the forward read its weight through the replaced table
     compat.set_parameter_table(layer, table)
     assert compat.parameter_table(layer) is table
+
+
+def test_real_tensors_can_be_made_inside_a_fake_mode() -> None:
+    """``compat.unset_fake_temporarily``: a library's first-use cache (torchao's code book) is
+    built on real values while ``tbp estimate`` runs the step on fake tensors."""
+    from lightning_tbp.compat import FakeTensor, FakeTensorMode, unset_fake_temporarily
+
+    with FakeTensorMode():
+        assert isinstance(torch.zeros(3), FakeTensor)
+        with unset_fake_temporarily():
+            real = torch.arange(3.0)
+            assert not isinstance(real, FakeTensor) and real.tolist() == [0.0, 1.0, 2.0]

@@ -25,8 +25,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_tbp.compat import FakeTensor
 from lightning_tbp.memory.breakdown import state_tensors, tensor_bytes
 from lightning_tbp.memory.meters import allocator_peak
+from lightning_tbp.optim.choice import is_low_bit
 
 
 @dataclass(frozen=True)
@@ -91,7 +93,7 @@ def state_bytes_of_a_step(
     probe_shape, scale = (shape, 1) if eager else _probe_shape(shape)
     probe = torch.zeros(probe_shape, dtype=dtype, requires_grad=True)
     probe.grad = torch.ones_like(probe)
-    options = {k: v for k, v in group.items() if k != "params"}
+    options = _options(group)
     try:
         twin = _twin(optimizer, [{**options, "params": [probe]}], portable=True)
         with torch.compiler.set_stance("force_eager"):
@@ -127,10 +129,21 @@ def _twin(optimizer: torch.optim.Optimizer, params: list[Any], portable: bool) -
     the device-only switches (``fused``, ``capturable``), which refuse a CPU probe and do not
     change what state is kept."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    defaults = {k: v for k, v in _options(optimizer.defaults).items() if k in accepted}
     if portable:
         defaults.update({k: False for k in ("fused", "capturable") if defaults.get(k)})
     return type(optimizer)(params, **defaults)
+
+
+def _options(group: dict[str, Any]) -> dict[str, Any]:
+    """A parameter group's options for a twin, real: an option held as a tensor (torchao keeps the
+    learning rate in one) is fake under ``tbp estimate``, and a fake tensor cannot step a real
+    probe; its value does not change what a step keeps or allocates, so 1e-3 stands in."""
+    return {
+        k: torch.full(tuple(v.shape), 1e-3, dtype=v.dtype) if isinstance(v, FakeTensor) else v
+        for k, v in group.items()
+        if k != "params"
+    }
 
 
 #: Elements the step probe's replica of the parameters may hold at most (4 MiB in float32).
@@ -148,11 +161,19 @@ def optimizer_step_bytes(optimizers: Iterable[torch.optim.Optimizer], device: to
     group at once (torch's ``foreach``, the default on CUDA: in proportion to the group's total)
     or one parameter at a time (the default on CPU: the largest, and the last one's temporaries
     still held while the next one's are made). An optimizer that cannot be imitated is predicted
-    at 0, with a warning."""
+    at 0, with a warning.
+
+    torchao's low-bit optimizers step one parameter at a time through a compiled kernel, and run
+    eagerly they quantize through a table of 256 entries per element: their step is measured
+    compiled, on one probe of the largest parameter's shape (:func:`parameter_step_ratio`;
+    the real step then finds that shape compiled on a CPU), and is its temporaries."""
     return max((_step_bytes(optimizer, device) for optimizer in optimizers), default=0)
 
 
 def _step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
+    if is_low_bit(optimizer):
+        largest = max(_trainable_on(optimizer, device), key=local_bytes, default=None)
+        return 0 if largest is None else math.ceil(_parameter_ratio(optimizer, device) * local_bytes(largest))
     groups = [
         [p for p in group["params"] if p.requires_grad and p.device.type == device.type]
         for group in optimizer.param_groups
@@ -163,7 +184,7 @@ def _step_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
     scale = max(1, math.ceil(sum(numels) / _REPLICA_NUMEL))
     replica = [
         {
-            **{k: v for k, v in group.items() if k != "params"},
+            **_options(group),
             "params": [_probe(math.ceil(local_bytes(p) / p.element_size() / scale), p.dtype, device) for p in params],
         }
         for group, params in zip(optimizer.param_groups, groups, strict=True)
@@ -193,9 +214,22 @@ def _parameter_ratio(optimizer: torch.optim.Optimizer, device: torch.device) -> 
     if not grouped:
         return 0.0
     group, largest = max(grouped, key=lambda pair: local_bytes(pair[1]))
-    numel = max(1, min(local_bytes(largest) // largest.element_size(), _REPLICA_NUMEL))
-    replica = [{**{k: v for k, v in group.items() if k != "params"}, "params": [_probe(numel, largest.dtype, device)]}]
-    return _temporaries(optimizer, replica, device) / (numel * largest.element_size())
+    shape = tuple(_local(largest).shape)
+    if math.prod(shape) > _REPLICA_NUMEL:
+        shape = (_REPLICA_NUMEL,)
+    probe = _probe(1, largest.dtype, device).new_zeros(shape).requires_grad_()
+    probe.grad = torch.ones_like(probe)
+    replica = [{**_options(group), "params": [probe]}]
+    return _temporaries(optimizer, replica, device) / (probe.numel() * largest.element_size())
+
+
+def _trainable_on(optimizer: torch.optim.Optimizer, device: torch.device) -> list[torch.Tensor]:
+    return [
+        p
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad and p.device.type == device.type
+    ]
 
 
 def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]], device: torch.device) -> int:
@@ -203,11 +237,12 @@ def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]]
     try:
         twin = _twin(optimizer, replica, portable=device.type != "cuda")
         highest = 0
+        # torchao's steps as they run, compiled; any other eagerly (one that compiles its own step
+        # would compile the replica's shapes, which the real step never uses)
+        stance = "default" if is_low_bit(optimizer) else "force_eager"
         for _ in range(2):  # the first makes the state (not counted), the second steps with it
             before = _state_bytes(twin)
-            # eager: a compiled step (torchao's) fuses its temporaries away, and compiling
-            # the replica's shapes would cost more than the step; eager's are an upper bound
-            with allocator_peak(device) as reading, torch.compiler.set_stance("force_eager"):
+            with allocator_peak(device) as reading, torch.compiler.set_stance(stance):
                 twin.step()
             highest = max(highest, reading.peak_bytes - (_state_bytes(twin) - before))
     except Exception as error:

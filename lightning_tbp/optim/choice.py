@@ -10,10 +10,12 @@ is an error that says how to install it.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
+
+from lightning_tbp.compat import unset_fake_temporarily
 
 OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor"]
 OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
@@ -38,9 +40,21 @@ def make_optimizer(
                 f"optimizer={name!r} is torchao's {_TORCHAO[name]}, and torchao is not installed ({error}): "
                 "pip install 'lightning-tbp[lowbit]' (or torchao), or choose optimizer='adamw'"
             ) from None
-        optimizer: torch.optim.Optimizer = getattr(optim, _TORCHAO[name])(params, lr=lr, weight_decay=weight_decay)
+        cls = getattr(optim, _TORCHAO[name])
+        _warm_code_books(cls)
+        optimizer: torch.optim.Optimizer = cls(params, lr=lr, weight_decay=weight_decay)
         return optimizer
     raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZER_NAMES)}; got {name!r}")
+
+
+def _warm_code_books(cls: Callable[..., torch.optim.Optimizer]) -> None:
+    """One real eager step of ``cls`` on a probe large enough to quantize. torchao builds its
+    quantization code book on first use with ``.tolist()`` and caches it; under ``tbp estimate``'s
+    fake tensors, which have no values, that first use would fail, so it happens here on real ones."""
+    with unset_fake_temporarily(), torch.compiler.set_stance("force_eager"):
+        probe = torch.zeros(4096, requires_grad=True)
+        probe.grad = torch.zeros(4096)
+        cls([probe]).step()
 
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:

@@ -4,9 +4,9 @@ Each setup builds a diffusers model at its real size from its published configur
 weights, no hub), a batch of its real shapes and its optimizer (AdamW, or torchao's 8-bit
 AdamW), under fake tensors, with the optimizer stepped after the backward or each parameter
 inside it (``in_backward``); the estimate gives the naive device peak and the smallest device a
-plan reaches, so whether it fits 12/16/24/40/80 GiB as is, with a plan, or not at all. Every setup runs in this one process, one after the other; the script
-reports each estimate's wall time and the process's peak resident memory (what an estimate
-costs this machine).
+plan reaches, so whether it fits 12/16/24/40/80 GiB as is, with a plan, or not at all. Every
+setup runs in this one process, one after the other; the script reports each estimate's wall
+time and the process's peak resident memory (what an estimate costs this machine).
 
     python benchmarks/estimate_table.py --out docs/benchmarks/estimate [--only sd15_lora]
 """

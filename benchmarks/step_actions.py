@@ -34,13 +34,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
-from lightning_tbp.compat import tree_flatten, tree_unflatten
 from lightning_tbp.environment import machine_info
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
-from lightning_tbp.optim.choice import make_optimizer
 from lightning_tbp.remat.budget import format_bytes
-from lightning_tbp.testing.zoo_models import ZOO
-from lightning_tbp.testing.zoo_models import sample as zoo_sample
+from lightning_tbp.testing.zoo_lightning import ZooModule
 
 SETUPS = {"sdxl_unet_b1": ("sdxl_unet", 1), "dit_b1": ("dit", 1)}
 VARIANTS = {
@@ -50,30 +47,6 @@ VARIANTS = {
     "plan_in_backward_adamw8bit": {"budget": "lowest", "in_backward": True, "optimizer": "adamw8bit"},
 }
 STEPS_TIMED = 12  # steps of a timing fit; the median is over those after the first six
-
-
-class ZooFineTune(L.LightningModule):
-    """A zoo architecture trained on its seeded inputs (rows of its batched inputs per step)."""
-
-    def __init__(self, name: str, batch: int, optimizer: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        case = ZOO[name].case(batch=batch)
-        self.model = case.model.train()
-        leaves, self._spec = tree_flatten((case.args, case.kwargs))
-        self._batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
-        self._leaves = leaves
-        self.rows = [x for x, b in zip(leaves, self._batched, strict=True) if b] + [case.target]
-        self.optimizer_name = optimizer
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        columns = iter(batch[:-1])
-        leaves = [next(columns) if b else x for x, b in zip(self._leaves, self._batched, strict=True)]
-        args, kwargs = tree_unflatten(leaves, self._spec)
-        return (zoo_sample(self.model(*args, **kwargs)).float() - batch[-1]).square().mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.optimizer_name, self.model.parameters(), lr=1e-4, weight_decay=0.01)
 
 
 class WholeFit(L.Callback):
@@ -105,7 +78,7 @@ class WholeFit(L.Callback):
 
 def fit(setup: str, variant: dict, budget: int | None, steps: int, metered: bool) -> dict[str, Any]:
     name, batch = SETUPS[setup]
-    module = ZooFineTune(name, batch, variant["optimizer"])
+    module = ZooModule(name, batch, variant["optimizer"])
     loader = DataLoader(TensorDataset(*(r.repeat_interleave(steps, 0) for r in module.rows)), batch_size=batch)
     strategy = TinyBackpropStrategy(memory_budget=budget, optimizer_in_backward=variant["in_backward"])
     watch = WholeFit(metered)
@@ -132,7 +105,7 @@ def fit(setup: str, variant: dict, budget: int | None, steps: int, metered: bool
 def lowest_budget(setup: str, variant: dict) -> int:
     """The device budget the strategy names as its minimum when given one byte."""
     name, batch = SETUPS[setup]
-    module = ZooFineTune(name, batch, variant["optimizer"])
+    module = ZooModule(name, batch, variant["optimizer"])
     loader = DataLoader(TensorDataset(*module.rows), batch_size=batch)
     strategy = TinyBackpropStrategy(memory_budget=1, optimizer_in_backward=variant["in_backward"])
     trainer = L.Trainer(

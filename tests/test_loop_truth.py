@@ -19,12 +19,12 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
-from lightning_tbp.compat import tree_flatten, tree_unflatten
 from lightning_tbp.diffusion import DiffusionModule
 from lightning_tbp.diffusion.data import DigitsDataModule
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak
 from lightning_tbp.remat.step import PriorGradients
+from lightning_tbp.testing.zoo_lightning import ZooModule
 from lightning_tbp.testing.zoo_models import ZOO
 from lightning_tbp.testing.zoo_models import sample as zoo_sample
 
@@ -56,31 +56,6 @@ class WholeFit(Callback):
 
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stack.close()  # a fit that raises (an infeasible budget) leaves no region open
-
-
-class ZooModule(L.LightningModule):
-    """A zoo architecture trained on its seeded inputs: the loader hands out rows of its batched
-    inputs (those with the batch as their first dimension), the rest stay as they are."""
-
-    def __init__(self, name: str, batch: int) -> None:
-        super().__init__()
-        case = ZOO[name].case(batch=batch)
-        self.model = case.model.train()
-        leaves, self._spec = tree_flatten((case.args, case.kwargs))
-        self._batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
-        self._leaves = leaves
-        self.rows = [x for x, b in zip(leaves, self._batched, strict=True) if b] + [case.target]
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        columns = iter(batch[:-1])
-        leaves = [next(columns) if b else x for x, b in zip(self._leaves, self._batched, strict=True)]
-        args, kwargs = tree_unflatten(leaves, self._spec)
-        error = (zoo_sample(self.model(*args, **kwargs)).float() - batch[-1]).square()
-        per_sample = error.flatten(1).mean(dim=1)
-        return per_sample if getattr(self.trainer.strategy, "privacy", None) is not None else per_sample.mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=1e-4)
 
 
 def _fit(module: L.LightningModule, data: object, strategy: TinyBackpropStrategy, **trainer_kwargs) -> dict:

@@ -1,0 +1,39 @@
+"""A zoo architecture as a LightningModule: whole ``Trainer.fit`` runs of the zoo's models, for
+the tests that check the loop's promises and the benchmarks that measure them."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from lightning_tbp.compat import tree_flatten, tree_unflatten
+from lightning_tbp.optim.choice import OptimizerName, make_optimizer
+from lightning_tbp.testing.zoo_models import ZOO, sample
+
+
+class ZooModule(L.LightningModule):
+    """The zoo's ``name`` trained on its seeded inputs: a loader hands out rows of its batched
+    inputs (those with the batch as their first dimension; ``rows``, the target last), the rest
+    stay as they are. The loss is per sample under a DP strategy, its mean otherwise."""
+
+    def __init__(self, name: str, batch: int, optimizer: OptimizerName = "adamw", lr: float = 1e-4) -> None:
+        super().__init__()
+        case = ZOO[name].case(batch=batch)
+        self.model = case.model.train()
+        leaves, self._spec = tree_flatten((case.args, case.kwargs))
+        self._batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
+        self._leaves = leaves
+        self.rows = [x for x, b in zip(leaves, self._batched, strict=True) if b] + [case.target]
+        self.optimizer_name = optimizer
+        self.lr = lr
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        columns = iter(batch[:-1])
+        leaves = [next(columns) if b else x for x, b in zip(self._leaves, self._batched, strict=True)]
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        error = (sample(self.model(*args, **kwargs)).float() - batch[-1]).square()
+        per_sample = error.flatten(1).mean(dim=1)
+        return per_sample if getattr(self.trainer.strategy, "privacy", None) is not None else per_sample.mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.model.parameters(), lr=self.lr, weight_decay=0.01)

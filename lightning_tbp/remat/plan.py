@@ -341,9 +341,10 @@ class Plan:
             )
             raise error from None
         self.alternative = None
+        corrected = "" if correction <= 1 else f" divided by a measured correction {correction:.3f}"
         self.actions = (
-            f"{alternative.action}: the step's budget {format_bytes(solved.budget_bytes)} is below the ordinary "
-            f"loop's minimum {without}; it lowers the unplanned step's peak from "
+            f"{alternative.action}: the step's budget {format_bytes(solved.budget_bytes)}{corrected} is below the "
+            f"ordinary loop's minimum {without}; it lowers the unplanned step's peak from "
             f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)} "
             "and recomputes nothing",
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+from typing_extensions import override
 
 from lightning_tbp.compat import tree_flatten, tree_unflatten
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
@@ -27,6 +28,7 @@ class ZooModule(L.LightningModule):
         self.optimizer_name = optimizer
         self.lr = lr
 
+    @override
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         columns = iter(batch[:-1])
         leaves = [next(columns) if b else x for x, b in zip(self._leaves, self._batched, strict=True)]
@@ -35,5 +37,6 @@ class ZooModule(L.LightningModule):
         per_sample = error.flatten(1).mean(dim=1)
         return per_sample if getattr(self.trainer.strategy, "privacy", None) is not None else per_sample.mean()
 
+    @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return make_optimizer(self.optimizer_name, self.model.parameters(), lr=self.lr, weight_decay=0.01)

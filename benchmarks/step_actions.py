@@ -16,7 +16,7 @@ parameters; its step time is the median of the later steps of a separate, unmete
 variants interleaved in rounds in this one process. Weights after the fit are compared with the
 naive run's (bitwise where the kernels allow).
 
-    python benchmarks/step_actions.py --out docs/benchmarks/step_actions [--rounds 3] [--low-bit]
+    python benchmarks/step_actions.py --out docs/benchmarks/step_actions [--rounds 3] [--low-bit] [--device cuda]
 """
 
 from __future__ import annotations
@@ -64,9 +64,11 @@ class WholeFit(L.Callback):
             self.reading = self._stack.enter_context(allocator_peak(trainer.strategy.root_device))
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, i: int) -> None:
+        _synchronize(trainer)
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, out: Any, b: Any, i: int) -> None:
+        _synchronize(trainer)
         self.step_seconds.append(time.perf_counter() - self._started)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -76,14 +78,24 @@ class WholeFit(L.Callback):
         self._stack.close()
 
 
-def fit(setup: str, variant: dict, budget: int | None, steps: int, metered: bool) -> dict[str, Any]:
+ACCELERATOR = {"cpu": "cpu", "cuda": "gpu"}
+
+
+def _synchronize(trainer: L.Trainer) -> None:
+    """Wait for the device's queued work, so a step's wall time is its own (CUDA)."""
+    if trainer.strategy.root_device.type == "cuda":
+        torch.cuda.synchronize(trainer.strategy.root_device)
+
+
+def fit(setup: str, variant: dict, budget: int | None, steps: int, metered: bool, device: str) -> dict[str, Any]:
     name, batch = SETUPS[setup]
     module = ZooModule(name, batch, variant["optimizer"])
     loader = DataLoader(TensorDataset(*(r.repeat_interleave(steps, 0) for r in module.rows)), batch_size=batch)
     strategy = TinyBackpropStrategy(memory_budget=budget, optimizer_in_backward=variant["in_backward"])
     watch = WholeFit(metered)
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator=ACCELERATOR[device], devices=1, max_steps=steps, logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[watch],
     )  # fmt: skip
     torch.manual_seed(0)
@@ -102,14 +114,15 @@ def fit(setup: str, variant: dict, budget: int | None, steps: int, metered: bool
     }
 
 
-def lowest_budget(setup: str, variant: dict) -> int:
+def lowest_budget(setup: str, variant: dict, device: str) -> int:
     """The device budget the strategy names as its minimum when given one byte."""
     name, batch = SETUPS[setup]
     module = ZooModule(name, batch, variant["optimizer"])
     loader = DataLoader(TensorDataset(*module.rows), batch_size=batch)
     strategy = TinyBackpropStrategy(memory_budget=1, optimizer_in_backward=variant["in_backward"])
     trainer = L.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False,
+        strategy=strategy, accelerator=ACCELERATOR[device], devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     try:
@@ -125,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--low-bit", action="store_true", help="also the 8-bit AdamW variant (torchao; compiles)")
     parser.add_argument("--only", nargs="*", default=None)
+    parser.add_argument("--device", choices=sorted(ACCELERATOR), default="cpu")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     variants = {k: v for k, v in VARIANTS.items() if args.low_bit or v["optimizer"] == "adamw"}
@@ -133,8 +147,8 @@ def main() -> None:
     for setup in setups:
         reference = None
         for key, variant in variants.items():
-            budget = None if variant["budget"] is None else lowest_budget(setup, variant)
-            run = fit(setup, variant, budget, steps=4, metered=True)
+            budget = None if variant["budget"] is None else lowest_budget(setup, variant, args.device)
+            run = fit(setup, variant, budget, steps=4, metered=True, device=args.device)
             module = run.pop("module")
             if reference is None:
                 reference = module
@@ -146,11 +160,11 @@ def main() -> None:
             print(f"{setup} {key}: device peak {format_bytes(run['device_peak_bytes'])}", flush=True)
     for _ in range(args.rounds):  # interleaved: every variant once per round
         for (setup, key), row in rows.items():
-            timed = fit(setup, variants[key], row["budget_bytes"], steps=STEPS_TIMED, metered=False)
+            timed = fit(setup, variants[key], row["budget_bytes"], steps=STEPS_TIMED, metered=False, device=args.device)
             row["step_medians_s"].append(statistics.median(timed["step_seconds"][6:]))
     for row in rows.values():
         row["step_seconds"] = statistics.median(row["step_medians_s"])
-    result = {"machine": machine_info(), "rounds": args.rounds, "rows": list(rows.values())}
+    result = {"machine": machine_info(), "device": args.device, "rounds": args.rounds, "rows": list(rows.values())}
     (args.out / "step_actions.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "step_actions.png")
     for row in rows.values():
@@ -182,7 +196,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         axis.set_title(setup)
         axis.set_xlabel("step time / naive")
         axis.set_ylabel("device peak / naive")
-    figure.suptitle(f"whole fits, exact CPU peaks ({result['machine']['git_commit']})")
+    meter = "CUDA allocator" if result["device"] == "cuda" else "exact CPU"
+    figure.suptitle(f"whole fits, {meter} peaks ({result['machine']['git_commit']})")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

@@ -5,6 +5,8 @@ its activations), four runs of the same fit under ``TinyBackpropStrategy``:
 
 - ``naive``: no plan, the optimizer stepped after the backward;
 - ``plan``: the lowest device budget a plan reaches with the ordinary step;
+- ``in_backward_at_plan``: each parameter stepped inside the backward, at ``plan``'s budget (what
+  the step inside the backward itself costs, the plan at that budget recomputing no more);
 - ``plan_in_backward``: the lowest with each parameter stepped inside the backward;
 - ``plan_in_backward_adamw8bit``: the same with torchao's 8-bit AdamW (``--low-bit``; torchao
   compiles its step per parameter shape, which takes minutes on a small CPU).
@@ -43,6 +45,7 @@ SETUPS = {"sdxl_unet_b1": ("sdxl_unet", 1), "dit_b1": ("dit", 1)}
 VARIANTS = {
     "naive": {"budget": None, "in_backward": False, "optimizer": "adamw"},
     "plan": {"budget": "lowest", "in_backward": False, "optimizer": "adamw"},
+    "in_backward_at_plan": {"budget": "plan", "in_backward": True, "optimizer": "adamw"},
     "plan_in_backward": {"budget": "lowest", "in_backward": True, "optimizer": "adamw"},
     "plan_in_backward_adamw8bit": {"budget": "lowest", "in_backward": True, "optimizer": "adamw8bit"},
 }
@@ -147,7 +150,11 @@ def main() -> None:
     for setup in setups:
         reference = None
         for key, variant in variants.items():
-            budget = None if variant["budget"] is None else lowest_budget(setup, variant, args.device)
+            budget = None
+            if variant["budget"] == "lowest":
+                budget = lowest_budget(setup, variant, args.device)
+            elif variant["budget"] == "plan":
+                budget = rows[setup, "plan"]["budget_bytes"]
             run = fit(setup, variant, budget, steps=4, metered=True, device=args.device)
             module = run.pop("module")
             if reference is None:

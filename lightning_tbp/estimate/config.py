@@ -20,9 +20,9 @@ from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
 from lightning_tbp.lightning_cli import run_lightning_cli
-from lightning_tbp.optim import steps_per_parameter
 from lightning_tbp.remat.step import PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
+from lightning_tbp.strategies.step_in_backward import blockers
 
 
 class EstimateConfigError(ValueError):
@@ -93,9 +93,16 @@ def estimate_config(
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mixed.append(str(trainer.precision).endswith("-mixed"))
-        modes.append(
-            (getattr(trainer.strategy, "optimizer_in_backward", False), _blocks_step_in_backward(trainer, step))
+        mode = getattr(trainer.strategy, "optimizer_in_backward", False)
+        blocked = blockers(
+            trainer,
+            module,
+            step.optimizers,
+            private=privacy is not None,
+            one_device=step.layout.kind == "single",
+            automatic=mode == "auto",
         )
+        modes.append((mode, blocked))
         return step
 
     mixed: list[bool] = []
@@ -127,19 +134,3 @@ def estimate_config(
 def _fits(estimate: StepEstimate) -> bool:
     fit = estimate.fit
     return fit is not None and (fit.fits_without_plan or fit.fits_with_plan)
-
-
-def _blocks_step_in_backward(trainer: pl.Trainer, step: TrainingStep) -> list[str]:
-    """What keeps this config's optimizer from stepping inside the backward (as the strategies
-    decide at setup: ``strategies/common.py``), by name."""
-    blocked = []
-    if getattr(trainer.strategy, "privacy", None) is not None:
-        blocked.append("dp= does not compose with it yet")
-    if step.layout.kind != "single":
-        blocked.append("it runs on one device for now")
-    if trainer.gradient_clip_val and (trainer.gradient_clip_algorithm or "norm") != "value":
-        blocked.append("gradient_clip_val clips by the norm of every gradient")
-    unknown = [type(o).__name__ for o in step.optimizers if not steps_per_parameter(o)]
-    if unknown:
-        blocked.append(f"{', '.join(unknown)} is not known to update each parameter from its own gradient alone")
-    return blocked

@@ -243,8 +243,8 @@ def estimate_step(
         phases = {"forward_backward": 0, "optimizer_step": 0}
         stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
         loop = LoopModel(step.gradients_at_forward)
-        if stepper is not None:
-            loop = LoopModel(loop.gradients - {PriorGradients.UNTIL_BACKWARD})  # no step's gradients outlive it
+        if stepper is not None:  # its per-byte temporaries are measured below, outside the fake tensors
+            loop = loop.with_step_in_backward(parameter_step_ratio=0.0)
         try:
             for case in sorted(loop.gradients, key=_CASE_ORDER.index):  # each leaves gradients for the next
                 for phase, peak in _metered_step(step, case, trainable, model.allocation_rounding, stepper).items():
@@ -253,7 +253,7 @@ def estimate_step(
             if stepper is not None:
                 stepper.remove()
         step_model = step_model_for(step.target)
-    if stepper is not None:  # per byte, measured on this CPU's allocator, outside the fake tensors
+    if stepper is not None:  # per byte, measured on this CPU's allocator
         loop = loop.with_step_in_backward(parameter_step_ratio(step.optimizers, torch.device("cpu")))
     trace = traces[0]
     model.round_storages(trace)

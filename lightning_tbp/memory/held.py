@@ -91,8 +91,7 @@ def state_bytes_of_a_step(
     state, counted once per probe's worth: 1.6% over on a 640-channel conv with 8-bit AdamW)."""
     eager = type(optimizer).__module__.startswith("torch.optim")
     probe_shape, scale = (shape, 1) if eager else _probe_shape(shape)
-    probe = torch.zeros(probe_shape, dtype=dtype, requires_grad=True)
-    probe.grad = torch.ones_like(probe)
+    probe = _probe(probe_shape, dtype, torch.device("cpu"))
     options = _options(group)
     try:
         twin = _twin(optimizer, [{**options, "params": [probe]}], portable=True)
@@ -217,8 +216,7 @@ def _parameter_ratio(optimizer: torch.optim.Optimizer, device: torch.device) -> 
     shape = tuple(_local(largest).shape)
     if math.prod(shape) > _REPLICA_NUMEL:
         shape = (_REPLICA_NUMEL,)
-    probe = _probe(1, largest.dtype, device).new_zeros(shape).requires_grad_()
-    probe.grad = torch.ones_like(probe)
+    probe = _probe(shape, largest.dtype, device)
     replica = [{**_options(group), "params": [probe]}]
     return _temporaries(optimizer, replica, device) / (probe.numel() * largest.element_size())
 
@@ -255,8 +253,9 @@ def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]]
     return highest
 
 
-def _probe(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    probe = torch.zeros(numel, dtype=dtype, device=device, requires_grad=True)
+def _probe(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero parameter of ``shape`` whose gradient is ones."""
+    probe = torch.zeros(shape, dtype=dtype, device=device, requires_grad=True)
     probe.grad = torch.ones_like(probe)
     return probe
 

@@ -34,7 +34,6 @@ from typing_extensions import override
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
-from lightning_tbp.optim import steps_per_parameter
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
@@ -51,7 +50,7 @@ from lightning_tbp.strategies.loop import (
     release_gradients_early,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
-from lightning_tbp.strategies.step_in_backward import StepInBackward, refusals_of
+from lightning_tbp.strategies.step_in_backward import StepInBackward, blockers
 
 
 class PlanAgreementError(RuntimeError):
@@ -257,17 +256,21 @@ class TinyBackpropMixin:
         automatic = self.optimizer_in_backward == "auto"
         if automatic and self.memory_budget is None:
             return None, None  # no plan to take it
-        blocked = self._blocks_step_in_backward(trainer, automatic)
+        blocked = blockers(
+            trainer,
+            self.lightning_module,
+            self.optimizers,
+            private=self.privacy is not None,
+            one_device=isinstance(self, SingleDeviceStrategy),
+            automatic=automatic,
+        )
         if not automatic and blocked:
             raise ValueError(
                 "optimizer_in_backward=True cannot run here: "
                 + "; ".join(blocked)
                 + ". Change these, or train with optimizer_in_backward=False"
             )
-        stepping = None
-        if not blocked:
-            stepping = StepInBackward(enabled=not automatic)
-            stepping.setup(trainer, self.lightning_module, self.optimizers)
+        stepping = None if blocked else StepInBackward(trainer, self.optimizers[0], enabled=not automatic)
         if not automatic:
             return stepping, None
         optimizers, device = self.optimizers, self.root_device
@@ -278,28 +281,6 @@ class TinyBackpropMixin:
             blocked="; ".join(blocked) if blocked else None,
         )
         return stepping, alternative
-
-    def _blocks_step_in_backward(self, trainer: pl.Trainer, automatic: bool) -> list[str]:
-        """What keeps the optimizer from stepping inside the backward in this fit, by name."""
-        blocked = []
-        if self.privacy is not None:
-            blocked.append(
-                "it does not compose with dp= yet: the DP engine writes each clipped gradient after its backward "
-                "passes, not through autograd's accumulation where the step hooks in"
-            )
-        if not isinstance(self, SingleDeviceStrategy):
-            blocked.append(
-                f"it runs on one device (strategy='tiny_backprop') for now: {type(self).__name__} reduces the "
-                "gradients across processes after the backward"
-            )
-        blocked += refusals_of(trainer, self.lightning_module, self.optimizers)
-        unknown = [type(o).__name__ for o in self.optimizers if not steps_per_parameter(o)]
-        if automatic and unknown and len(self.optimizers) == 1:
-            blocked.append(
-                f"{', '.join(unknown)} is not known to update each parameter from its own gradient alone, so the "
-                "weights could differ from its ordinary step (optimizer_in_backward=True takes it if it does)"
-            )
-        return blocked
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part

@@ -29,33 +29,17 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
-from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim import OptimizerInBackward, steps_per_parameter
 from lightning_tbp.optim.in_backward import NEEDS_EVERY_GRADIENT
 
 
 class StepInBackward:
-    """One fit's optimizer inside the backward, for a strategy that trains on one device.
+    """One fit's optimizer inside the backward, for a strategy that trains on one device: the
+    optimizer hooked in (what cannot compose must have been refused: :func:`blockers`).
 
     ``enabled=False``: set up idle, stepping as usual until :meth:`enable`."""
 
-    def __init__(self, enabled: bool = True) -> None:
-        self.stepper: OptimizerInBackward | None = None
-        self._enabled = enabled
-        self._trainer: pl.Trainer | None = None
-        self._clip: Any = None
-
-    @property
-    def enabled(self) -> bool:
-        return self._enabled
-
-    def enable(self) -> None:
-        """Step inside the backward from the next backward on."""
-        self._enabled = True
-        if self.stepper is not None:
-            self.stepper.enabled = True
-
-    def setup(self, trainer: pl.Trainer, module: pl.LightningModule, optimizers: list[Optimizer]) -> None:
-        """Hook the optimizer in; what cannot compose must have been refused (:func:`refusals_of`)."""
+    def __init__(self, trainer: pl.Trainer, optimizer: Optimizer, enabled: bool = True) -> None:
         clip = trainer.gradient_clip_val
         before_step = None
         if clip:
@@ -65,37 +49,75 @@ class StepInBackward:
                 assert param.grad is not None
                 param.grad.clamp_(min=-limit, max=limit)  # as torch.nn.utils.clip_grad_value_
 
-        self.stepper = OptimizerInBackward(optimizers[0], before_step, enabled=self._enabled)
+        self.stepper = OptimizerInBackward(optimizer, before_step, enabled=enabled)
         self._trainer = trainer
+        self._clip: Any = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.stepper.enabled
+
+    def enable(self) -> None:
+        """Step inside the backward from the next backward on."""
+        self.stepper.enabled = True
 
     def optimizer_step(self, optimizer: Optimizer, lightning_step: Callable[[Any], Any]) -> Any:
         """Run Lightning's step (closure, hooks) with ``optimizer``'s step inside its backward (or,
         while idle, after the closure as usual). The closure must call :meth:`backward_done`."""
-        trainer = self._trainer
-        assert self.stepper is not None and trainer is not None and optimizer is self.stepper.optimizer
-        self._clip = trainer.gradient_clip_val
+        assert optimizer is self.stepper.optimizer
+        self._clip = self._trainer.gradient_clip_val
         try:
             with self.stepper.stepping():
                 return lightning_step(_StepDoneInBackward(optimizer, self.stepper))
         finally:
-            trainer.gradient_clip_val = self._clip
+            self._trainer.gradient_clip_val = self._clip
 
     def backward_done(self) -> None:
         """The closure's backward ended. If it stepped, clipping by value was done per parameter
         before its step, so the precision plugin's own clipping after the closure, which would
         find no gradient left, is switched off until the step ends."""
-        if self._enabled and self._trainer is not None:
+        if self.enabled:
             self._trainer.gradient_clip_val = None
 
     def report_state_to(self, state_made: Callable[[int], None]) -> None:
         """Tell ``state_made`` around each parameter's first step (``OptimizerInBackward.state_made``)."""
-        assert self.stepper is not None
         self.stepper.state_made = state_made
 
     def teardown(self) -> None:
-        if self.stepper is not None:
-            self.stepper.remove()
-            self.stepper = None
+        self.stepper.remove()
+
+
+def blockers(
+    trainer: pl.Trainer,
+    module: pl.LightningModule,
+    optimizers: list[Optimizer],
+    *,
+    private: bool,
+    one_device: bool,
+    automatic: bool,
+) -> list[str]:
+    """What keeps the optimizer from stepping inside the backward in this fit, by name: DP
+    (``private``), several devices, what needs every gradient (:func:`refusals_of`) and, for
+    ``"auto"`` (``automatic``), an optimizer not known to update each parameter on its own."""
+    blocked = []
+    if private:
+        blocked.append(
+            "it does not compose with dp= yet: the DP engine writes each clipped gradient after its backward "
+            "passes, not through autograd's accumulation where the step hooks in"
+        )
+    if not one_device:
+        blocked.append(
+            "it runs on one device (strategy='tiny_backprop') for now: the multi-device strategies reduce the "
+            "gradients across processes after the backward"
+        )
+    blocked += refusals_of(trainer, module, optimizers)
+    unknown = [type(o).__name__ for o in optimizers if not steps_per_parameter(o)]
+    if automatic and unknown and len(optimizers) == 1:
+        blocked.append(
+            f"{', '.join(unknown)} is not known to update each parameter from its own gradient alone, so the "
+            "weights could differ from its ordinary step (optimizer_in_backward=True takes it if it does)"
+        )
+    return blocked
 
 
 def refusals_of(trainer: pl.Trainer, module: pl.LightningModule, optimizers: list[Optimizer]) -> list[str]:

@@ -208,6 +208,44 @@ def test_gradients_someone_reads_before_zero_grad_are_kept_and_counted() -> None
     _assert_the_promise_holds(run)
 
 
+class NoisyVectors(L.LightningModule):
+    """Denoising flat vectors with an MLP: the batch, the noise and the noisy inputs are a large
+    share of its step (the loop keeps them beside the planned module, no trace of which sees them)."""
+
+    def __init__(self, width: int = 64, depth: int = 4) -> None:
+        super().__init__()
+        self.model = torch.nn.Sequential(
+            *(
+                torch.nn.Sequential(
+                    torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width)
+                )
+                for _ in range(depth)
+            )
+        )
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (clean,) = batch
+        noise = torch.randn_like(clean)
+        return torch.nn.functional.mse_loss(self.model(clean + noise), noise)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget", [0.6, 0.9])
+def test_what_the_loop_keeps_beside_the_planned_module_is_counted(budget: float) -> None:
+    """The batch, the noise and the noisy inputs (about a fifth of this step) are measured where the
+    module is called and counted in every prediction: the promise holds from the first step."""
+    loader = DataLoader(TensorDataset(torch.randn(4096, 64)), batch_size=1024)
+    run = _fit(NoisyVectors(), loader, TinyBackpropStrategy(memory_budget=budget), max_steps=4)
+    alongside = run["plan"].alongside
+    batch = 1024 * 64 * 4
+    assert alongside.through_step == 2 * batch  # the batch and the noisy inputs
+    assert alongside.until_backward == batch  # the noise
+    _assert_the_promise_holds(run)
+
+
 class ManualLoop(L.LightningModule):
     """Manual optimisation that zeroes the gradients only after the step (they live through the next forward)."""
 

@@ -22,7 +22,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
@@ -52,7 +52,14 @@ from lightning_tbp.remat.signature import (
 )
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import PLANNING_MARGIN, InfeasibleBudgetError, Solver
-from lightning_tbp.remat.step import PLAIN_LOOP, LoopAlternative, LoopModel, step_model_for
+from lightning_tbp.remat.step import (
+    NOTHING_ALONGSIDE,
+    PLAIN_LOOP,
+    Alongside,
+    LoopAlternative,
+    LoopModel,
+    step_model_for,
+)
 from lightning_tbp.remat.trace import Trace
 from lightning_tbp.remat.verify import StepMeter, StepReading, Verification
 
@@ -80,6 +87,7 @@ class _Profile:
     device: torch.device
     held: HeldMemory | None
     loss_measured: bool  # the solver's loss was measured on a step (else assumed, ``loss.py``)
+    alongside: Alongside  # what the loop kept beside the step when it was profiled
 
 
 class Plan:
@@ -97,6 +105,7 @@ class Plan:
         held: Callable[[], HeldMemory] | None = None,
         loop: LoopModel = PLAIN_LOOP,
         alternative: LoopAlternative | None = None,
+        alongside: Callable[[tuple, dict], Alongside] | None = None,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -116,7 +125,11 @@ class Plan:
         without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`.
         ``alternative``: a change to the loop that lowers its memory, taken (and every shape
         solved again in it) the first time a shape's budget cannot be met in ``loop``; an
-        infeasible budget's error names what it would reach and, where it is blocked, why."""
+        infeasible budget's error names what it would reach and, where it is blocked, why.
+        ``alongside``: what the training loop keeps on the device beside the step (the batch,
+        what ``training_step`` made before the call), asked with the call's arguments, before
+        anything else, whenever a new signature is planned; counted in every prediction (and
+        added to what the plan's own meter, which starts at the forward, reads). None: nothing."""
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
@@ -126,6 +139,7 @@ class Plan:
         self.loop = loop
         self._base_loop = loop  # the loop before any alternative: a fractional budget is of its naive peak
         self.alternative = alternative
+        self.alongside = alongside
         self.actions: tuple[str, ...] = ()  # the alternatives taken, as the reports describe them
         self.module = module
         self.measure = measure
@@ -157,13 +171,16 @@ class Plan:
         planned = self.shape_plans.get(key)
         fresh = planned is None
         if planned is None:
+            alongside = self._alongside(args, kwargs, batch)
             plan_args, plan_kwargs = (
                 (args, kwargs) if self.batch_ceiling is None else expand_batch(args, kwargs, self.batch_ceiling)
             )
             signature = input_signature(plan_args, plan_kwargs)
             warm_library_workspaces(_device_of(self.module, args, kwargs))  # held from now on, not a step's
             try:
-                planned = self._agreed(signature, lambda: self._solve(key, signature, plan_args, plan_kwargs))
+                planned = self._agreed(
+                    signature, lambda: self._solve(key, signature, plan_args, plan_kwargs, alongside)
+                )
             finally:
                 release_random_tiles()  # the stand-ins' values, no longer needed
             self.shape_plans[key] = planned
@@ -178,6 +195,15 @@ class Plan:
                 self._meter.start(_device_of(self.module, args, kwargs))
         self._activate(planned)
         return planned
+
+    def _alongside(self, args: tuple, kwargs: dict, batch: int | None) -> Alongside:
+        """What the loop keeps beside the step of this call, for the batch the plan is made for."""
+        if self.alongside is None:
+            return NOTHING_ALONGSIDE
+        measured = self.alongside(args, kwargs)
+        if self.batch_ceiling is not None and batch:
+            return measured.scaled(self.batch_ceiling / batch)
+        return measured
 
     def _key(self, args: tuple, kwargs: dict) -> Signature:
         return input_signature(args, kwargs) if self.batch_ceiling is None else batch_free_signature(args, kwargs)
@@ -228,8 +254,9 @@ class Plan:
         """Whether plans may use selective blocks, whose cache torch hands to one backward only."""
         return self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
 
-    def _solver(self, trace: Trace, loss_bytes: int, loop: LoopModel | None = None) -> Solver:
-        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, self.loop if loop is None else loop)
+    def _solver(self, trace: Trace, loss_bytes: int, alongside: Alongside, loop: LoopModel | None = None) -> Solver:
+        loop = self.loop if loop is None else loop
+        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside)
         return Solver(simulator, selective=self._selective())
 
     def set_loop(self, loop: LoopModel) -> None:
@@ -243,7 +270,7 @@ class Plan:
             self._base_loop = loop
         for key, shape_plan in list(self.shape_plans.items()):
             profile = self._profiles[key]
-            profile.solver = self._solver(profile.trace, profile.solver.sim.loss_bytes)
+            profile.solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, profile.alongside)
             solved = self._agreed(
                 profile.signature, partial(self._solve_profile, profile, correction=shape_plan.correction)
             )
@@ -259,7 +286,9 @@ class Plan:
                 self.report(solved),
             )
 
-    def _solve(self, key: Signature, signature: Signature, args: tuple, kwargs: dict) -> ShapePlan:
+    def _solve(
+        self, key: Signature, signature: Signature, args: tuple, kwargs: dict, alongside: Alongside
+    ) -> ShapePlan:
         """Profile this call (the plain module, not the plan in force) and solve it."""
         self._planning = True
         active = dict(self._active)
@@ -287,12 +316,13 @@ class Plan:
         loss_bytes = scaled_loss_bytes or assumed_loss_bytes(trace.output_specs)
         profile = _Profile(
             trace,
-            self._solver(trace, loss_bytes),
+            self._solver(trace, loss_bytes, alongside),
             signature,
             batch_size_of(args, kwargs),
             _device_of(self.module, args, kwargs),
             self.held() if self.held is not None else None,
             loss_measured=self._loss_per_output_byte > 0,
+            alongside=alongside,
         )
         self._profiles[key] = profile
         shape_plan = self._solve_profile(profile, correction=1.0)
@@ -315,7 +345,7 @@ class Plan:
         self, profile: _Profile, correction: float, error: InfeasibleBudgetError, alternative: LoopAlternative
     ) -> ShapePlan:
         loop = alternative.loop(self.loop)
-        solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, loop)
+        solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, profile.alongside, loop)
         without = format_bytes(error.minimum_budget_bytes)
         try:
             solved = self._solve_with(profile, solver, correction)
@@ -357,7 +387,8 @@ class Plan:
     def _solve_with(self, profile: _Profile, solver: Solver, correction: float) -> ShapePlan:
         fraction_of = None
         if solver.sim.loop != self._base_loop and self.budget.kind == "fraction":
-            fraction_of = self._solver(profile.trace, solver.sim.loss_bytes, self._base_loop).naive().peak_bytes
+            base = self._solver(profile.trace, solver.sim.loss_bytes, profile.alongside, self._base_loop)
+            fraction_of = base.naive().peak_bytes
         return solve_shape(
             profile.trace,
             solver,
@@ -391,6 +422,10 @@ class Plan:
         reading = self._meter.stop()
         shape_plan, self._metered = self._metered, None
         if shape_plan is not None and reading is not None:
+            # the meter starts at the forward, where what the loop keeps beside the step is alive
+            profile = self._profiles.get(self._key_of(shape_plan))
+            beside = 0 if profile is None else profile.alongside.total
+            reading = replace(reading, peak_bytes=reading.peak_bytes + beside)
             self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
 
@@ -435,7 +470,7 @@ class Plan:
             assert loss is not None
             # the loss, measured, joins the model; only an error it leaves beyond the planning
             # margin (which is there for the model's own errors) scales the budget
-            profile.solver, profile.loss_measured = self._solver(profile.trace, loss), True
+            profile.solver, profile.loss_measured = self._solver(profile.trace, loss, profile.alongside), True
             options = [shape_plan.options.get(node.path, Option.KEEP) for node in profile.trace.nodes]
             unexplained = ratio * shape_plan.predicted_peak_bytes / profile.solver.sim.run(options).peak_bytes
             correction = shape_plan.correction * (unexplained if unexplained > 1 / (1 - PLANNING_MARGIN) else 1.0)

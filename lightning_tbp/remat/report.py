@@ -28,6 +28,12 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     )
     step = "" if sp.step == "plain" else f" (the step simulated: {sp.step})"
     loop = "" if sp.loop == PLAIN_LOOP else f"\nthe training loop modelled: {sp.loop.describe()}"
+    if sp.alongside.total:
+        loop += (
+            f"\nbeside the module's step (counted): {format_bytes(sp.alongside.through_step)} through it (the batch, "
+            f"the module's inputs), {format_bytes(sp.alongside.until_backward)} until its backward (what "
+            "training_step made before the call)"
+        )
     lines += [
         "-" * len(header),
         budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
@@ -80,6 +86,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
             "step_in_backward": sp.loop.step_in_backward,
             "actions": list(sp.actions),
             "predicted_peak_bytes_by_case": {case.value: peak for case, peak in sp.planned.case_peaks.items()},
+            "alongside_bytes": dataclasses.asdict(sp.alongside),
         },
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,

@@ -19,7 +19,7 @@ from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.simulate import SimResult, Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
-from lightning_tbp.remat.step import PLAIN_LOOP, LoopModel, PriorGradients
+from lightning_tbp.remat.step import NOTHING_ALONGSIDE, PLAIN_LOOP, Alongside, LoopModel, PriorGradients
 from lightning_tbp.remat.trace import Trace
 
 
@@ -56,6 +56,7 @@ class ShapePlan:
     parameter_grad_bytes: int
     step: str = "plain"  # the step model it was solved for ("dp:ghost", ...)
     loop: LoopModel = PLAIN_LOOP  # the training loop's cases it holds in
+    alongside: Alongside = NOTHING_ALONGSIDE  # what the loop keeps beside the step, in every prediction
     actions: tuple[str, ...] = ()  # loop alternatives the plan took beyond recomputation, described
     blocks: list[BlockDecision] = field(default_factory=list)
     edges: list[tuple[str, str, int]] = field(default_factory=list)  # (producer, consumer, bytes)
@@ -182,6 +183,7 @@ def solve_shape(
         parameter_grad_bytes=trace.parameter_grad_bytes,
         step=simulator.step.name,
         loop=simulator.loop,
+        alongside=simulator.alongside,
         blocks=_block_table(trace, simulator, options, planned),
         edges=trace.block_edges(),
         peak_block=_peak_block(trace, simulator, options, planned),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.simulated_step import Captured, Holdings, OverLimit, SimResult, SimulatedStep
-from lightning_tbp.remat.step import PLAIN_LOOP, PLAIN_STEP, LoopModel, StepModel
+from lightning_tbp.remat.step import NOTHING_ALONGSIDE, PLAIN_LOOP, PLAIN_STEP, Alongside, LoopModel, StepModel
 from lightning_tbp.remat.trace import Trace
 from lightning_tbp.remat.trace_facts import TraceFacts
 
@@ -28,15 +28,22 @@ class Simulator:
     the loss is computed outside the module, so no trace sees it, and every backward pass runs
     its backward first. ``loop``: the gradients the training loop holds when the step starts and
     its optimizer step (``step.LoopModel``); one simulation follows every case, and a result's
-    peak is the highest of them."""
+    peak is the highest of them. ``alongside``: what the loop keeps on the device beside the
+    step for this trace's inputs (the batch; ``step.Alongside``), counted in every peak."""
 
     def __init__(
-        self, trace: Trace, step: StepModel = PLAIN_STEP, loss_bytes: int = 0, loop: LoopModel = PLAIN_LOOP
+        self,
+        trace: Trace,
+        step: StepModel = PLAIN_STEP,
+        loss_bytes: int = 0,
+        loop: LoopModel = PLAIN_LOOP,
+        alongside: Alongside = NOTHING_ALONGSIDE,
     ) -> None:
         self.trace = trace
         self.step = step
         self.loss_bytes = loss_bytes
         self.loop = loop
+        self.alongside = alongside
         self.facts = TraceFacts(trace, noted={note.event for note in trace.step_notes})
         self.effects = step.effects_for(trace)
 
@@ -60,6 +67,7 @@ class Simulator:
             self.effects,
             self.loss_bytes,
             self.loop,
+            self.alongside,
             capture_step=capture_step,
             limit_bytes=limit_bytes,
         )

@@ -26,7 +26,8 @@ The simulation follows what torch does with non-reentrant ``torch.utils.checkpoi
 * A tensor's Python reference ends where the profiling pass saw its last reference go, which is
   later than its last use wherever a variable holds it (observed, not inferred).
 
-Memory is counted above the state before the forward (parameters and inputs are the baseline).
+Memory is counted above what training holds outside the step (parameters, optimizer state); the
+module's inputs and the rest of what the loop keeps beside the step are ``step.Alongside``.
 
 What a step does around the plain backward (more passes, work at some layers, saves kept to the
 pass's end, blocks run again after it) is its step model's (``step.StepModel.effects_for``): a
@@ -41,7 +42,15 @@ from dataclasses import dataclass, field
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_lazy_block
-from lightning_tbp.remat.step import PLAIN_LOOP, PLAIN_STEP, LoopModel, PriorGradients, StepModel
+from lightning_tbp.remat.step import (
+    NOTHING_ALONGSIDE,
+    PLAIN_LOOP,
+    PLAIN_STEP,
+    Alongside,
+    LoopModel,
+    PriorGradients,
+    StepModel,
+)
 from lightning_tbp.remat.trace_facts import TraceFacts
 
 
@@ -127,6 +136,7 @@ class SimulatedStep:
         effects: Callable[[SimulatedStep], StepEffects] | None = None,
         loss_bytes: int = 0,
         loop: LoopModel = PLAIN_LOOP,
+        alongside: Alongside = NOTHING_ALONGSIDE,
         capture_step: int = -1,
         limit_bytes: float = math.inf,
     ) -> None:
@@ -150,7 +160,7 @@ class SimulatedStep:
         self.node_cache: dict[int, list[int]] = {}
         # lazy blocks: (peak while rebuilding, bytes left rebuilt) of an event's backward's unpacks
         self.rebuilds: dict[int, tuple[int, int]] = {}
-        self.mem = 0
+        self.mem = alongside.total  # the loop's batch and what training_step made before the call
         self.peak = 0
         self.step = 0
         self.peak_step = 0
@@ -208,6 +218,8 @@ class SimulatedStep:
                 self.loss_steps.add(self.step)
                 self.tick()
                 self.mem -= loss_bytes
+            if not self.in_backward:  # training_step returned: its own tensors go, the batch stays
+                self.mem -= alongside.until_backward
             self.in_backward = True  # Lightning frees the last step's gradients here
             for sid in trace.module_outputs:
                 if trace.storage_needs_grad[sid] and sid not in self.grads:

@@ -136,6 +136,33 @@ PLAIN_LOOP = LoopModel()
 
 
 @dataclass(frozen=True)
+class Alongside:
+    """What the training loop keeps alive beside the module's step, for one input signature:
+    no trace of the module sees it, yet it is on the device through the step.
+
+    ``through_step``: the batch in hand (the loop holds it until the next one) and the module's
+    own inputs (its first layers save them for the backward). ``until_backward``: the rest of
+    what ``training_step`` made before calling the module (noise, targets, timesteps), freed
+    when it returns, before the backward, except what the loss saves (counted by the loss's own
+    window). Measured where the module is called (``strategies/common.py``); zero when nobody
+    measures it, as for a module planned on its own (its meter starts at the forward)."""
+
+    through_step: int = 0
+    until_backward: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.through_step + self.until_backward
+
+    def scaled(self, factor: float) -> Alongside:
+        """These bytes for a batch ``factor`` times as large (a plan made for a batch ceiling)."""
+        return Alongside(round(self.through_step * factor), round(self.until_backward * factor))
+
+
+NOTHING_ALONGSIDE = Alongside()
+
+
+@dataclass(frozen=True)
 class LoopAlternative:
     """A change to the training loop that lowers the step's memory (the optimizer stepping inside
     the backward), which a plan takes only when its own loop cannot meet the budget.

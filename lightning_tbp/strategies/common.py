@@ -31,7 +31,6 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
@@ -40,6 +39,7 @@ from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
+from lightning_tbp.strategies.alongside import AlongsideMeter, storages_on
 from lightning_tbp.strategies.loop import (
     LoopStep,
     LoopWatch,
@@ -173,6 +173,7 @@ class TinyBackpropMixin:
         self._batch_index = -1
         self._last_batch_idx = -1
         self._plans_at_batch_start = 0
+        self._alongside: AlongsideMeter | None = None
 
     # -- the parts of the Lightning strategy API that change --------------------------------------
     @override
@@ -204,6 +205,7 @@ class TinyBackpropMixin:
             self._reported.clear()
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
+            self._alongside = AlongsideMeter(self.lightning_module, self.root_device, self._made_since_batch_start)
             self.plan = Plan(
                 module,
                 self.memory_budget,
@@ -217,6 +219,7 @@ class TinyBackpropMixin:
                     step_in_backward=self._in_backward is not None and self._in_backward.enabled,
                 ),
                 alternative=alternative,
+                alongside=self._alongside,
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs
@@ -241,6 +244,9 @@ class TinyBackpropMixin:
             self._clock.forward_started(self.plan.current, args, kwargs, self.root_device)
             if self._watch is not None:
                 self._watch.forward_starting(planned=len(self.plan.shape_plans) > self._plans_at_batch_start)
+
+    def _made_since_batch_start(self) -> int | None:
+        return None if self._watch is None else self._watch.made_since_batch_start()
 
     def _state_made(self, nbytes: int) -> None:
         """The optimizer stepping inside the backward makes a parameter's state: the meters keep it apart."""
@@ -394,10 +400,12 @@ class TinyBackpropMixin:
         self._batch_index += 1
         self._last_batch_idx = batch_idx
         self._plans_at_batch_start = 0 if self.plan is None else len(self.plan.shape_plans)
+        if self._alongside is not None:
+            self._alongside.batch_started(batch)
         if self._watch is None:
             return
         module = self.lightning_module
-        alive = gradient_bytes(module.parameters()) + _tensor_bytes_on(batch, self.root_device)
+        alive = gradient_bytes(module.parameters()) + sum(storages_on(batch, self.root_device).values())
         ended = self._watch.batch_started(
             self._batch_index, alive, self._optimizer_state_bytes(), can_meter(self.root_device)
         )
@@ -584,13 +592,3 @@ class TinyBackpropMixin:
 
 def _never() -> None:
     raise AssertionError("a blocked alternative is never taken")
-
-
-def _tensor_bytes_on(batch: object, device: torch.device) -> int:
-    """Bytes of the distinct storages of ``batch``'s tensors on ``device``."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tree_flatten(batch)[0]
-        if isinstance(t, torch.Tensor) and t.device.type == device.type
-    }
-    return sum(storages.values())

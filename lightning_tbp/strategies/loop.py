@@ -130,6 +130,8 @@ class _Open:
     case: PriorGradients
     base_level: int  # the meter's level of what training holds outside the step, as the step starts
     state_bytes: int  # the optimizer state held at its start
+    start_mark: int  # the mark at its batch's start
+    start_level: int  # the meter's level there
     forward_mark: int | None = None  # the mark where its first forward started (after any planning)
     planned: bool = False  # the step made a plan before that forward
     optimizer_mark: int | None = None  # the mark at its optimizer step, when one ran
@@ -185,7 +187,9 @@ class LoopWatch:
         if opening or self._pre_rolled:  # what training holds outside the step, read once per region
             self._held_level = level - alive_bytes - state_bytes
             self._pre_rolled = False
-        self._step = _Open(index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes)
+        self._step = _Open(
+            index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes, self._marks - 1, level
+        )
         return ended
 
     def training_step_ended(self, index: int, can_meter: bool) -> None:
@@ -213,6 +217,13 @@ class LoopWatch:
         """The step's forward starts in ``case`` (known once the strategy has freed what it frees)."""
         if self._step is not None:
             self._step.case = case
+
+    def made_since_batch_start(self) -> int | None:
+        """Net bytes allocated since the metered step's batch started (what ``training_step`` made
+        before calling the module, less what it freed); None when this step is not metered."""
+        if self._step is None or self._reading is None:
+            return None
+        return self._mark() - self._step.start_level
 
     def forward_starting(self, planned: bool) -> None:
         """The step's module forward starts (the first of the step), after planning if ``planned``."""
@@ -258,7 +269,9 @@ class LoopWatch:
         grown = max(0, state_bytes - step.state_bytes)  # the first optimizer step makes the state
         # windows between the step's marks: before its forward, to the optimizer step, after it
         cuts = [i for i in (step.forward_mark, step.optimizer_mark) if i is not None] + [len(marks) - 1]
-        windows = [marks[i].peak_before_bytes for i in cuts]
+        starts = [step.start_mark + 1, *(cut + 1 for cut in cuts[:-1])]
+        spans = zip(starts, cuts, strict=True)
+        windows = [max(m.peak_before_bytes for m in marks[first : last + 1]) for first, last in spans]
         if step.optimizer_mark is not None:
             windows[-1] -= grown
             if step.state_marks and step.forward_mark is not None:  # state made in the backward

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
-from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.optim import PER_PARAMETER, OptimizerInBackward, steps_per_parameter
 from lightning_tbp.optim.choice import is_low_bit, make_optimizer
 
@@ -378,7 +378,7 @@ def test_low_bit_optimizers_step_inside_the_backward_bitwise(name: str) -> None:
     for (path, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert torch.equal(a, b), path
     weight = fused[0].weight
-    codes = [t for t in state_tensors(fused_opt.state[weight]) if t.dtype == torch.uint8]
+    codes = [t for t in plain_tensors(fused_opt.state[weight]) if t.dtype == torch.uint8]
     assert codes and all(t.numel() * t.element_size() <= weight.numel() for t in codes)  # a byte or less each
 
 

@@ -13,6 +13,7 @@ file); :func:`load_lora` reads it into any of the three families.
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,11 @@ def add_lora(model: nn.Module, options: LoraOptions) -> int:
     )
     model.requires_grad_(False)
     try:
-        inject_adapter_in_model(config, model)
+        with warnings.catch_warnings():
+            # over a torchao-quantized base peft warns that merging the adapters into it cannot
+            # work; they are saved apart (``save_lora``), never merged
+            warnings.filterwarnings("ignore", message=".*get_apply_tensor_subclass.*")
+            inject_adapter_in_model(config, model)
     except ValueError as error:
         adaptable = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _adaptable(m)})
         raise ValueError(

@@ -25,6 +25,7 @@ from typing_extensions import override
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
+from lightning_tbp.diffusion.quantized_base import BaseQuantization, quantize_base
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.strategies.privacy import wants_per_sample_loss
@@ -57,6 +58,10 @@ class DiffusionModule(L.LightningModule):
         lora_target_modules: names (or name suffixes) of the layers to adapt; default the
             attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0``.
         lora_dropout: dropout on the adapters' input.
+        base_quantization: with ``lora_rank``, store the frozen base's ``Linear`` weights as
+            ``"int8"`` (torchao weight-only int8) or ``"nf4"`` (QLoRA's 4-bit NormalFloat):
+            about a half or a quarter of their bytes. Changes the numerics (the adapters learn on
+            the quantized base): your choice, counted by the plan as it is. Not with ``ema_decay``.
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class DiffusionModule(L.LightningModule):
         lora_alpha: float | None = None,
         lora_target_modules: list[str] | None = None,
         lora_dropout: float = 0.0,
+        base_quantization: BaseQuantization | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -93,6 +99,18 @@ class DiffusionModule(L.LightningModule):
         self.family = family_spec(family)
         self.model = build_model(family, model_config, pretrained)
         self.lora: LoraOptions | None = None
+        if base_quantization is not None:
+            if lora_rank is None:
+                raise ValueError(
+                    "base_quantization quantizes a frozen base, so it needs lora_rank (a full fine-tune trains every "
+                    "weight in full precision)"
+                )
+            if ema_decay is not None:
+                raise ValueError(
+                    "ema_decay with base_quantization is not supported: the average would copy the whole quantized "
+                    "base; train without ema_decay"
+                )
+            rank_zero_info(f"DiffusionModule: {quantize_base(self.model, base_quantization).describe()}")
         if lora_rank is not None:
             targets = {"target_modules": tuple(lora_target_modules)} if lora_target_modules else {}
             self.lora = LoraOptions(lora_rank, lora_alpha, dropout=lora_dropout, **targets)

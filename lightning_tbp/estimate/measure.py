@@ -17,7 +17,7 @@ import torch
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.estimate.step import TrainingStep, clear_grads, module_state_bytes, stepping, storage_bytes
-from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
 from lightning_tbp.optim import OptimizerInBackward
 
@@ -40,7 +40,7 @@ def measure_step(
     step.optimizer_step(step.forward_backward)
     clear_grads(step)
     parameters, seen = module_state_bytes(step.modules, 1)
-    state = storage_bytes((t for o in step.optimizers for s in o.state.values() for t in state_tensors(s)), 1, seen)
+    state = storage_bytes((t for o in step.optimizers for s in o.state.values() for t in plain_tensors(s)), 1, seen)
     batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
     stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
 

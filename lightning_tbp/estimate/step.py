@@ -42,7 +42,7 @@ from lightning_tbp.compat import FAKE_VALUE_ERRORS, FakeTensorMode, fake_module_
 from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
-from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.held import parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.remat.options import Option
@@ -232,7 +232,7 @@ def estimate_step(
             )
         parameter_bytes, seen = module_state_bytes(step.modules, model.allocation_rounding)
         optimizer_state = storage_bytes(
-            (t for opt in step.optimizers for state in opt.state.values() for t in state_tensors(state)),
+            (t for opt in step.optimizers for state in opt.state.values() for t in plain_tensors(state)),
             model.allocation_rounding,
             seen,
         )

@@ -56,26 +56,35 @@ def _storages_bytes(tensors: Iterable[torch.Tensor], device_type: str, seen: set
     return total
 
 
-def state_tensors(state: object) -> Iterator[torch.Tensor]:
-    """Every tensor in one parameter's optimizer state (nested dicts, lists and tuples included).
+def is_quantized_wrapper(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a subclass that keeps its data in inner tensors through the subclass
+    protocol (``__tensor_flatten__``: torchao's quantized weights and low-bit optimizer states),
+    other than a DTensor (a shard, counted as its local tensor)."""
+    return hasattr(type(tensor), "__tensor_flatten__") and not isinstance(tensor, DTensor)
+
+
+def plain_tensors(state: object) -> Iterator[torch.Tensor]:
+    """Every tensor in ``state`` (a tensor, or nested dicts, lists and tuples of them: one
+    parameter's optimizer state), as the allocator holds them.
 
     A tensor subclass that keeps its data in inner tensors (torchao's low-bit optimizer states:
-    8-bit codes and a scale per block, shown as a float32 tensor of the parameter's shape) is
-    replaced by those, through the subclass protocol's ``__tensor_flatten__``: its own size and
-    storage are the apparent float32 tensor's, not what it holds."""
+    8-bit codes and a scale per block, shown as a float32 tensor of the parameter's shape;
+    torchao's int8 and NF4 quantized weights) is replaced by those, through the subclass
+    protocol's ``__tensor_flatten__``: its own size is the apparent tensor's, not what it holds,
+    and a wrapper has no storage of its own."""
     if isinstance(state, torch.Tensor):
-        if hasattr(type(state), "__tensor_flatten__") and not isinstance(state, DTensor):
+        if is_quantized_wrapper(state):
             names, _ = state.__tensor_flatten__()  # type: ignore[attr-defined]  # the subclass protocol
             for name in names:
-                yield from state_tensors(getattr(state, name))
+                yield from plain_tensors(getattr(state, name))
             return
         yield state
     elif isinstance(state, dict):
         for value in state.values():
-            yield from state_tensors(value)
+            yield from plain_tensors(value)
     elif isinstance(state, (list, tuple)):
         for value in state:
-            yield from state_tensors(value)
+            yield from plain_tensors(value)
 
 
 def tensor_bytes(
@@ -85,10 +94,10 @@ def tensor_bytes(
     device_type = torch.device(device).type
     seen: set[int] = set()  # a storage counts once, in the first category that holds it
     params = list(module.parameters())
-    parameters = _storages_bytes(params, device_type, seen)
+    parameters = _storages_bytes(plain_tensors(params), device_type, seen)
     gradients = _storages_bytes((p.grad for p in params if p.grad is not None), device_type, seen)
     optimizer_state = sum(
-        _storages_bytes(state_tensors(state), device_type, seen)
+        _storages_bytes(plain_tensors(state), device_type, seen)
         for optimizer in optimizers
         for state in optimizer.state.values()
     )

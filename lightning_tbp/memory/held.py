@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import FakeTensor
-from lightning_tbp.memory.breakdown import state_tensors, tensor_bytes
+from lightning_tbp.memory.breakdown import plain_tensors, tensor_bytes
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim.choice import is_low_bit
 
@@ -73,7 +73,7 @@ def state_bytes_of_a_step(
 ) -> int:
     """The state one step of ``optimizer`` makes for a parameter of ``shape`` and ``dtype`` in
     ``group``: a fresh twin (same class, defaults and group options) steps a zero probe of that
-    shape on the CPU, once, and its state is counted as :func:`~lightning_tbp.memory.breakdown.state_tensors`
+    shape on the CPU, once, and its state is counted as :func:`~lightning_tbp.memory.breakdown.plain_tensors`
     reads it, so whatever the optimizer keeps comes out as it is, with no table of optimizers:
     Adam's two copies, Adafactor's factored rows and columns of a matrix, torchao's 8-bit and
     4-bit codes and block scales (only for parameters large enough to quantize). Scalars (step
@@ -104,7 +104,7 @@ def state_bytes_of_a_step(
             stacklevel=4,
         )
         return 0
-    return scale * sum(t.numel() * t.element_size() for t in state_tensors(twin.state.get(probe, {})) if t.dim() > 0)
+    return scale * sum(t.numel() * t.element_size() for t in plain_tensors(twin.state.get(probe, {})) if t.dim() > 0)
 
 
 #: Largest parameter a state probe takes at its own shape (see :func:`state_bytes_of_a_step`).
@@ -261,7 +261,7 @@ def _probe(shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in state_tensors(state))
+    return sum(t.numel() * t.element_size() for state in optimizer.state.values() for t in plain_tensors(state))
 
 
 def local_bytes(param: torch.Tensor) -> int:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch.optim import Optimizer
 
-from lightning_tbp.memory.breakdown import state_tensors
+from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.optim.choice import is_low_bit
 
 #: Optimizers whose step needs every gradient at once (a closure that re-evaluates the loss).
@@ -139,4 +139,4 @@ class OptimizerInBackward:
         param.grad = None
         self.stepped += 1
         if report is not None:
-            report(sum(t.numel() * t.element_size() for t in state_tensors(self.optimizer.state.get(param, {}))))
+            report(sum(t.numel() * t.element_size() for t in plain_tensors(self.optimizer.state.get(param, {}))))

@@ -25,10 +25,13 @@ from functools import partial
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from lightning_tbp.compat import TorchDispatchMode, op_packet, storage_key, tree_flatten
+from lightning_tbp.compat import FakeTensor, TorchDispatchMode, op_packet, storage_key, tree_flatten
+from lightning_tbp.memory.breakdown import is_quantized_wrapper
 from lightning_tbp.memory.held import local_bytes
+from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
@@ -37,6 +40,7 @@ from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
 from lightning_tbp.remat.step import LayerNote, listening_for_notes, stop_listening
 from lightning_tbp.remat.trace import Node, Trace
+from lightning_tbp.remat.verify import can_meter
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -62,6 +66,10 @@ class _Recorder(TorchDispatchMode):
         self.node_stack = node_stack
         self.key_to_sid: dict[int, int] = {}
         self.pending_saves: list[int] = []
+        # quantized weights an event's forward reads, and those saved at an event for its
+        # backward: each dequantizes them, inside the subclass where no recorder sees it
+        self.read_quantized: dict[int, list[torch.Tensor]] = {}
+        self.saved_quantized: dict[int, list[torch.Tensor]] = {}
         self.tensor_counts: dict[int, int] = {}
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
@@ -107,8 +115,14 @@ class _Recorder(TorchDispatchMode):
         traits = traits_of(func)
         seen: dict[int, int] = {}
         for tensor in _tensors((args, kwargs)):
+            if is_quantized_wrapper(tensor):
+                self.read_quantized.setdefault(event, []).append(tensor)
             if (sid := self.sid_of(tensor)) is not None:
                 seen[sid] = max(seen.get(sid, 0), tensor.numel() * tensor.element_size())
+                if tensor.requires_grad and trace.storage_is_activation[sid]:
+                    # made inside a custom autograd Function (its ops run without grad), whose
+                    # output needs a gradient after all: its backward gives its inputs theirs
+                    trace.storage_needs_grad[sid] = True
         inputs = tuple(seen)
         input_set = set(inputs)
         partial = {sid: size for sid, size in seen.items() if size < trace.storage_bytes[sid]}
@@ -156,6 +170,11 @@ class _Recorder(TorchDispatchMode):
 
     def record_save(self, tensor: torch.Tensor) -> None:
         """Note a tensor autograd saves; which op saved it is settled at the next op (``_settle_saves``)."""
+        if is_quantized_wrapper(tensor):
+            # saved by a custom Function over a quantized weight (torchao's NF4 linear) once its
+            # last op ran: that op's backward dequantizes it to the apparent dtype, a transient
+            self.saved_quantized.setdefault(self.trace.num_events - 1, []).append(tensor)
+            return
         sid = self.sid_of(tensor)
         if sid is not None and self.trace.storage_is_activation[sid]:  # parameters/buffers are not activations
             self.pending_saves.append(sid)
@@ -191,6 +210,27 @@ class _Recorder(TorchDispatchMode):
         if self.pending_saves and self.trace.num_events:
             self.trace.event_saves[-1].extend(self.pending_saves)
         self.pending_saves = []
+
+
+_DEQUANTIZATION_PEAKS: dict[tuple, int] = {}
+
+
+def dequantization_peak(weight: torch.Tensor) -> int:
+    """Peak bytes of using a quantized weight in a matmul, where it is turned back into its
+    apparent dtype (torchao's NF4 unpacks its 4-bit codes through int64 indices: about five times
+    the weight's apparent size), measured once per kind, shape and dtype under the exact meter on
+    a one-row linear; the apparent size where no meter can run (a fake trace, a running
+    profiler) or the weight is not a matrix."""
+    apparent = weight.numel() * weight.element_size()
+    key = (type(weight), tuple(weight.shape), weight.dtype, weight.device.type)
+    if key not in _DEQUANTIZATION_PEAKS:
+        if weight.dim() != 2 or isinstance(weight, FakeTensor) or not can_meter(weight.device):
+            return apparent
+        row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        with torch.no_grad(), allocator_peak(weight.device) as reading:
+            F.linear(row, weight)
+        _DEQUANTIZATION_PEAKS[key] = max(apparent, reading.peak_bytes)
+    return _DEQUANTIZATION_PEAKS[key]
 
 
 def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
@@ -350,6 +390,13 @@ def record_trace(
     for event, (forward, backward) in workspaces.items():
         trace.event_forward_workspace[event] = forward
         trace.event_workspace[event] = backward
+    # measured here, outside the recorder
+    for workspace, quantized in (
+        (trace.event_forward_workspace, recorder.read_quantized),
+        (trace.event_workspace, recorder.saved_quantized),
+    ):
+        for event, weights in quantized.items():
+            workspace[event] = max(workspace[event], sum(dequantization_peak(weight) for weight in weights))
     trace.event_backward_cost = [0.0] * trace.num_events
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns

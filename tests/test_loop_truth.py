@@ -208,6 +208,33 @@ def test_gradients_someone_reads_before_zero_grad_are_kept_and_counted() -> None
     _assert_the_promise_holds(run)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_a_lora_fit_over_a_quantized_base_holds_its_promise(kind: str) -> None:
+    """The main job's U-Net as a LoRA fine-tune with its base quantized by torchao: every metered
+    step of the fit, the first included, within the budget and 5% of its prediction."""
+    pytest.importorskip("torchao")
+    module = DiffusionModule(
+        family="unet2d",
+        model_config=MAIN_JOB_UNET,
+        lr=1e-3,
+        lora_rank=4,
+        base_quantization=kind,
+        sample_images=0,
+        export=False,
+    )
+    run = _fit(
+        module,
+        DigitsDataModule(image_size=16, batch_size=16),
+        TinyBackpropStrategy(memory_budget=0.5),
+        max_steps=4,
+        limit_val_batches=0,
+    )
+    full_precision = sum(p.numel() * 4 for p in module.model.parameters())  # quantized ones at their apparent size
+    assert run["plan"].held.parameters < full_precision  # the base counted as it is held
+    _assert_the_promise_holds(run)
+
+
 class NoisyVectors(L.LightningModule):
     """Denoising flat vectors with an MLP: the batch, the noise and the noisy inputs are a large
     share of its step (the loop keeps them beside the planned module, no trace of which sees them)."""

@@ -22,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_tbp.compat import tree_flatten
+from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.remat.step import Alongside
 from lightning_tbp.strategies.loop import gradient_bytes
 
@@ -31,8 +32,8 @@ def storages_on(tensors: object, device: torch.device) -> dict[int, int]:
     pointer -> bytes."""
     return {
         t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in tree_flatten(tensors)[0]
-        if isinstance(t, torch.Tensor) and t.device.type == device.type
+        for t in plain_tensors(tree_flatten(tensors)[0])  # a quantized weight by its inner tensors
+        if t.device.type == device.type
     }
 
 

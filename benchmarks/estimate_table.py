@@ -26,6 +26,7 @@ from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, UNet2DCondi
 from torch import nn
 
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora
+from lightning_tbp.diffusion.quantized_base import quantize_base
 from lightning_tbp.estimate import CUDA, TrainingStep, estimate_dict, estimate_step
 from lightning_tbp.optim.choice import make_optimizer
 from lightning_tbp.remat.budget import format_bytes
@@ -99,6 +100,8 @@ SETUPS: dict[str, dict] = {
     "dit_l2_256_b32": dict(model=dit_l(2), latent=32, batch=32, kind="dit"),
     "dit_l8_256_b32": dict(model=dit_l(8), latent=32, batch=32, kind="dit"),
     "flux_lora_1024_b1": dict(model=flux, latent=128, batch=1, kind="flux", lora=16),
+    "flux_lora_1024_b1_int8_base": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, base="int8"),
+    "flux_lora_1024_b1_nf4_base": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, base="nf4"),
 }
 
 
@@ -110,6 +113,8 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
             torch.set_default_dtype(torch.bfloat16)  # made in bf16: fake tensors cannot be cast in place
             try:
                 model = setup["model"]()
+                if "base" in setup:  # quantized as DiffusionModule(base_quantization=) does, before the adapters
+                    quantize_base(model, setup["base"])
             finally:
                 torch.set_default_dtype(default)
             add_lora(model, LoraOptions(lora, target_modules=("to_q", "to_k", "to_v", "to_out.0")))
@@ -179,6 +184,7 @@ def main() -> None:
             "setup": name,
             "optimizer": setup.get("optimizer", "adamw"),
             "in_backward": setup.get("in_backward", False),
+            "base_quantization": setup.get("base"),
             **estimate_dict(estimate),
             "fits_by_device": fits,
             "wall_seconds": time.perf_counter() - started,

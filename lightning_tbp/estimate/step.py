@@ -344,9 +344,10 @@ def stepping(stepper: OptimizerInBackward | None) -> contextlib.AbstractContextM
 
 
 def storage_bytes(tensors: Any, rounding: int, seen: set[int]) -> int:
-    """Bytes of the storages of ``tensors`` not in ``seen`` (which it extends), each rounded."""
+    """Bytes of the storages of ``tensors`` not in ``seen`` (which it extends), each rounded (a
+    quantized weight's are its inner tensors')."""
     total = 0
-    for tensor in tensors:
+    for tensor in plain_tensors(list(tensors)):
         key = storage_key(tensor)
         if key is not None and key not in seen:
             seen.add(key)

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_tbp.compat import storage_key
+
 
 @dataclass
 class Breakdown:
@@ -47,12 +49,12 @@ def _storages_bytes(tensors: Iterable[torch.Tensor], device_type: str, seen: set
             tensor = tensor.to_local()
         if tensor.device.type != device_type:
             continue
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() == 0:
+        key = storage_key(tensor)  # defined for fake tensors too (a model built without data)
+        nbytes = tensor.untyped_storage().nbytes()
+        if key is None or key in seen or nbytes == 0:
             continue
         seen.add(key)
-        total += storage.nbytes()
+        total += nbytes
     return total
 
 

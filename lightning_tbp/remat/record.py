@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_tbp.compat import FakeTensor, TorchDispatchMode, op_packet, storage_key, tree_flatten
-from lightning_tbp.memory.breakdown import is_quantized_wrapper
+from lightning_tbp.memory.breakdown import is_quantized_wrapper, plain_tensors
 from lightning_tbp.memory.held import local_bytes
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
@@ -219,12 +219,13 @@ def dequantization_peak(weight: torch.Tensor) -> int:
     """Peak bytes of using a quantized weight in a matmul, where it is turned back into its
     apparent dtype (torchao's NF4 unpacks its 4-bit codes through int64 indices: about five times
     the weight's apparent size), measured once per kind, shape and dtype under the exact meter on
-    a one-row linear; the apparent size where no meter can run (a fake trace, a running
-    profiler) or the weight is not a matrix."""
+    a one-row linear; the apparent size where no meter can run (a fake trace, whose estimate is
+    then low by the rest of that transient; a running profiler) or the weight is not a matrix."""
     apparent = weight.numel() * weight.element_size()
     key = (type(weight), tuple(weight.shape), weight.dtype, weight.device.type)
     if key not in _DEQUANTIZATION_PEAKS:
-        if weight.dim() != 2 or isinstance(weight, FakeTensor) or not can_meter(weight.device):
+        fake = any(isinstance(inner, FakeTensor) for inner in plain_tensors(weight))
+        if weight.dim() != 2 or fake or not can_meter(weight.device):
             return apparent
         row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
         with torch.no_grad(), allocator_peak(weight.device) as reading:

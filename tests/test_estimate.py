@@ -96,8 +96,14 @@ def _assert_close(build, **estimate_options: object) -> None:
 
 @pytest.mark.parametrize(
     ("precision", "options"),
-    [("32-true", {"ema_decay": 0.99}), ("bf16-mixed", {}), ("32-true", {"lora_rank": 4})],
-    ids=["fp32-ema", "bf16-mixed", "lora"],
+    [
+        ("32-true", {"ema_decay": 0.99}),
+        ("bf16-mixed", {}),
+        ("32-true", {"lora_rank": 4}),
+        ("32-true", {"lora_rank": 4, "base_quantization": "int8"}),
+        ("32-true", {"lora_rank": 4, "base_quantization": "nf4"}),
+    ],
+    ids=["fp32-ema", "bf16-mixed", "lora", "lora-int8-base", "lora-nf4-base"],
 )
 def test_recipe_module_naive_peak_within_five_percent(precision: str, options: dict) -> None:
     _assert_close(_diffusion_step(precision, **options))

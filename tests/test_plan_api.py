@@ -113,14 +113,29 @@ def test_malformed_budget_is_a_value_error() -> None:
 
 
 def test_nothing_to_plan_warns_and_runs_unchanged() -> None:
+    """Under "auto" (a default fraction on the CPU) or a budget the step meets unplanned, a module
+    with nothing to plan runs unchanged with a warning."""
     model = nn.Linear(8, 8)
     x = torch.randn(4, 8)
-    with pytest.warns(NothingToPlanWarning, match="nothing to plan"):
-        plan = rematerialize(model, x, memory_budget=0.5)
-    assert plan.current.options == {}
-    model(x).sum().backward()
-    assert model.weight.grad is not None
-    plan.remove()
+    for budget in ("auto", 1 << 30):
+        with pytest.warns(NothingToPlanWarning, match="nothing to plan"):
+            plan = rematerialize(model, x, memory_budget=budget)
+        assert plan.current.options == {}
+        model(x).sum().backward()
+        assert model.weight.grad is not None
+        plan.remove()
+
+
+@pytest.mark.parametrize("budget", [0.5, 1])
+def test_a_budget_nothing_can_meet_is_refused_even_with_nothing_to_plan(budget: float) -> None:
+    """An explicit budget below the unplanned step's peak raises, naming that peak as the minimum,
+    rather than running over it with a warning."""
+    model = nn.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible budget") as error:
+        rematerialize(model, x, memory_budget=budget)
+    assert error.value.minimum_peak_bytes == error.value.naive_bytes
+    assert any("nothing to plan in Linear" in note for note in error.value.__notes__)
 
 
 def test_budget_above_naive_plans_nothing() -> None:

@@ -133,6 +133,24 @@ def solve_shape(
     budget_bytes = budget.resolve(fraction_of or naive.peak_bytes, device, held)
     plannable = [n for n in trace.nodes[1:] if n.has_events]
     if not plannable:
+        if naive.peak_bytes * correction > budget_bytes and not budget.is_fraction_default(device):
+            # a budget is a promise: running unchanged above it would break it silently
+            error = InfeasibleBudgetError(budget_bytes, naive.peak_bytes, naive.peak_bytes)
+            error.add_note(
+                f"nothing to plan in {module_name}: it has no submodule with children of its own that runs once "
+                "per forward, so its step peaks where it does unplanned (a module called several times per "
+                "step is not planned yet)"
+            )
+            _explain(
+                error,
+                budget,
+                budget_bytes,
+                held,
+                batch_ceiling,
+                correction,
+                describe_loss(simulator.loss_bytes, loss_measured),
+            )
+            raise error
         warnings.warn(
             f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own that "
             "runs once per forward (leaf layers such as a single Linear are not checkpointed, since that saves "

@@ -132,6 +132,42 @@ def test_held_out_architectures_over_a_quantized_base(kind: str, name: str) -> N
         plan.remove()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_base_keeps_no_dequantized_copy_for_the_backward(dtype: torch.dtype) -> None:
+    """torchao's own int8 linear keeps a dequantized copy of its weight for the backward; the
+    base's layers save the int8 weight instead, with the input's gradient equal to torchao's
+    within float rounding (float32), or both within bfloat16's rounding of the exact product."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    torch.manual_seed(0)
+    ours, theirs = nn.Linear(512, 256, dtype=dtype), nn.Linear(512, 256, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    for layer in (ours, theirs):
+        layer.requires_grad_(False)
+    quantize_base(ours, "int8")
+    quantize_(theirs, Int8WeightOnlyConfig())
+    x = torch.randn(8, 512, dtype=dtype, requires_grad=True)
+    held = {}
+    for name, layer in (("ours", ours), ("theirs", theirs)):
+        gc.collect()
+        reading = measure_peak(lambda layer=layer, name=name: held.setdefault(name, layer(x)))
+        held[name + "_bytes"] = reading.net_bytes
+    output_bytes = 8 * 256 * x.element_size()
+    assert held["ours_bytes"] == output_bytes
+    assert held["theirs_bytes"] >= output_bytes + 512 * 256 * x.element_size()  # the dequantized copy
+    torch.testing.assert_close(held["ours"], held["theirs"], rtol=0, atol=0)
+    grad = torch.randn_like(held["ours"])
+    (ours_grad,) = torch.autograd.grad(held["ours"], x, grad)
+    (theirs_grad,) = torch.autograd.grad(held["theirs"], x, grad)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours_grad, theirs_grad)
+    else:  # both round to bfloat16 by different paths: each within its rounding of the exact product
+        exact = grad.float() @ ours.weight.dequantize().float()
+        rounding = 2**-7 * exact.abs().max().item()
+        for computed in (ours_grad, theirs_grad):
+            torch.testing.assert_close(computed.float(), exact, rtol=0, atol=rounding)
+
+
 def test_the_recipe_refuses_what_it_cannot_do_by_name() -> None:
     config = {"sample_size": 8, "in_channels": 1, "out_channels": 1, "block_out_channels": [8], "norm_num_groups": 4}
     config |= {"layers_per_block": 1, "down_block_types": ["AttnDownBlock2D"], "up_block_types": ["AttnUpBlock2D"]}

@@ -10,7 +10,11 @@ quantized model; the dequantization inside a quantized matmul is measured as tha
 workspace, ``remat.record.dequantization_peak``).
 
 - ``"int8"``: torchao's weight-only int8 (``Int8WeightOnlyConfig``), a scale per output row;
-  every ``Linear``.
+  every ``Linear``. torchao's own int8 linear keeps a dequantized copy of its weight for the
+  backward (a frozen 1024x1024 layer held 2 MiB in bf16 after the forward, against 8 KiB
+  unquantized), which would hold the base twice over an unplanned step; the layers run through
+  :class:`FrozenQuantizedLinear` instead, which saves the int8 weight and dequantizes it again
+  in the backward, as torchao's NF4 linear does. Both kinds follow autocast there.
 - ``"nf4"``: torchao's NF4 (QLoRA's 4-bit NormalFloat, blocks of 64 with double-quantized
   scales in blocks of 256). A layer whose size does not divide into those blocks takes the
   largest scale block that divides it (at least 2); one that does not divide into blocks of 64
@@ -23,10 +27,12 @@ the adapters are injected, so the adapters train in full precision.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
 
@@ -81,8 +87,49 @@ def quantize_base(model: nn.Module, kind: str) -> QuantizedBase:
             for layer in quantized:
                 _to_nf4(layer)
     for layer in quantized:
+        layer.__class__ = FrozenQuantizedLinear
+        cast(FrozenQuantizedLinear, layer).saves_dequantized = kind == "int8"
         layer.weight.requires_grad_(False)
     return QuantizedBase(kind, len(quantized), skipped, before, tensor_bytes(model, [], device).parameters)
+
+
+class _LinearOverFrozenWeight(torch.autograd.Function):
+    """``F.linear`` over a frozen quantized weight that saves the weight as it is held."""
+
+    @staticmethod
+    @override
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    @override
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (weight,) = ctx.saved_tensors
+        return grads[0] @ weight.dequantize().to(grads[0].dtype), None, None
+
+
+class FrozenQuantizedLinear(nn.Linear):
+    """A ``Linear`` whose weight is a frozen torchao tensor (see the module's docstring). Under
+    autocast its input is cast as autocast would cast it: autocast does not reach a matmul
+    dispatched to a tensor subclass, whose output would stay in float32 (twice the bytes of
+    every activation after it). ``saves_dequantized``: torchao's own linear keeps a dequantized
+    copy of the weight for the backward (int8), so the layer runs its own, which saves the
+    quantized weight (the input's gradient equal to torchao's within float rounding); NF4's
+    linear saves only its 4-bit weight already."""
+
+    saves_dequantized = True
+
+    @override
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad):
+            return super().forward(input)  # something trains it after all: autograd's own way
+        device = input.device.type
+        if torch.is_autocast_enabled(device):
+            input = input.to(torch.get_autocast_dtype(device))
+        if not self.saves_dequantized:
+            return super().forward(input)
+        return _LinearOverFrozenWeight.apply(input, self.weight, self.bias)
 
 
 def _nf4_scaler_block(numel: int) -> int | None:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import lightning.pytorch as pl
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.breakdown import plain_tensors
@@ -30,11 +31,9 @@ from lightning_tbp.strategies.loop import gradient_bytes
 def storages_on(tensors: object, device: torch.device) -> dict[int, int]:
     """The distinct storages of the tensors in ``tensors`` that live on ``device``'s type: data
     pointer -> bytes."""
-    return {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for t in plain_tensors(tree_flatten(tensors)[0])  # a quantized weight by its inner tensors
-        if t.device.type == device.type
-    }
+    # a quantized weight by its inner tensors, an FSDP2 shard by this process's part
+    plain = (t.to_local() if isinstance(t, DTensor) else t for t in plain_tensors(tree_flatten(tensors)[0]))
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in plain if t.device.type == device.type}
 
 
 class AlongsideMeter:

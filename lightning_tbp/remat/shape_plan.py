@@ -132,6 +132,12 @@ def solve_shape(
     naive = solver.naive()
     budget_bytes = budget.resolve(fraction_of or naive.peak_bytes, device, held)
     plannable = [n for n in trace.nodes[1:] if n.has_events]
+
+    def explain(error: InfeasibleBudgetError) -> None:
+        """Notes on what took the memory, for a budget refused as given."""
+        loss = describe_loss(simulator.loss_bytes, loss_measured)
+        _explain(error, budget, budget_bytes, held, batch_ceiling, correction, loss)
+
     if not plannable:
         if naive.peak_bytes * correction > budget_bytes and not budget.is_fraction_default(device):
             # a budget is a promise: running unchanged above it would break it silently
@@ -141,15 +147,7 @@ def solve_shape(
                 "per forward, so its step peaks where it does unplanned (a module called several times per "
                 "step is not planned yet)"
             )
-            _explain(
-                error,
-                budget,
-                budget_bytes,
-                held,
-                batch_ceiling,
-                correction,
-                describe_loss(simulator.loss_bytes, loss_measured),
-            )
+            explain(error)
             raise error
         warnings.warn(
             f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own that "
@@ -164,15 +162,7 @@ def solve_shape(
             solution = solver.solve(int(budget_bytes / correction))
         except InfeasibleBudgetError as error:
             if not budget.is_fraction_default(device):
-                _explain(
-                    error,
-                    budget,
-                    budget_bytes,
-                    held,
-                    batch_ceiling,
-                    correction,
-                    describe_loss(simulator.loss_bytes, loss_measured),
-                )
+                explain(error)
                 raise
             warnings.warn(
                 f"lightning_tbp: memory_budget='auto' means {budget.describe_resolved(device)} here, below what "

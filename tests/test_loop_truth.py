@@ -174,10 +174,14 @@ def test_a_whole_fit_with_the_optimizer_in_the_backward_holds_its_promise(accumu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
-def test_a_dp_whole_fit_with_accumulation_stays_within_budget_and_prediction(mode: str) -> None:
+@pytest.mark.parametrize(("mode", "in_backward"), [("ghost", False), ("bookkeeping", False), ("bookkeeping", True)])
+def test_a_dp_whole_fit_with_accumulation_stays_within_budget_and_prediction(mode: str, in_backward: bool) -> None:
+    """``in_backward``: each parameter noised and stepped as bookkeeping's sums (and the blocks it
+    runs again) complete it."""
     data = DigitsDataModule(image_size=16, batch_size=8)
-    strategy = TinyBackpropStrategy(memory_budget=0.6, dp=mode, noise_multiplier=1.0, max_grad_norm=1.0)
+    strategy = TinyBackpropStrategy(
+        memory_budget=0.6, dp=mode, noise_multiplier=1.0, max_grad_norm=1.0, optimizer_in_backward=in_backward
+    )
     run = _fit(_main_job_module(), data, strategy, max_steps=3, accumulate_grad_batches=2, limit_val_batches=0)
     plan, step_peak = run["plan"], run["step_peak"]
     # Poisson batches are at most the plan's ceiling: the budget holds, the prediction is an upper bound

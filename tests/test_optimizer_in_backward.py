@@ -242,7 +242,6 @@ class Manual(Regression):
         (Regression, {"gradient_clip_val": 1.0}, {}, "clips by the norm of every gradient"),
         (Regression, {"callbacks": [ReadsGradients()]}, {}, "on_before_optimizer_step of ReadsGradients"),
         (Manual, {}, {}, "optimizes manually"),
-        (Regression, {}, {"dp": "ghost", "noise_multiplier": 1.0}, "does not compose with dp="),
     ],
 )
 def test_what_cannot_compose_is_refused_by_name(module, options, strategy_options, named, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -18,6 +18,11 @@ nothing is stepped: a micro-batch that only accumulates keeps its gradients as u
 backward that runs inside steps on the sums. A parameter that has a gradient but got none in that
 backward (it took part only in earlier micro-batches) is stepped as the block ends, as the
 ordinary step would have.
+
+Gradients that do not arrive through autograd's accumulation (DP's engine writes each clipped sum
+itself; FSDP2 runs the hooks on its sharded parameters after the reduce-scatter) are announced by
+whoever writes them, through :meth:`OptimizerInBackward.gradient_done`. Each parameter is
+stepped at most once per ``stepping`` block, whoever announces it.
 """
 
 from __future__ import annotations
@@ -68,7 +73,9 @@ class OptimizerInBackward:
     how many bytes it made (a meter that keeps the state apart from the step marks both
     instants). ``enabled=False`` keeps the hooks idle (and ``stepping`` a no-op) until
     ``enabled`` is set, so that a planner can take the step into the backward from the next
-    backward on. Call :meth:`remove` to detach the hooks.
+    backward on. ``every_parameter``: a block ends by stepping every parameter it did not step,
+    with a gradient or not (``before_step`` makes the gradient: DP noises every parameter, reached
+    or not). Call :meth:`remove` to detach the hooks.
     """
 
     def __init__(
@@ -77,6 +84,7 @@ class OptimizerInBackward:
         before_step: Callable[[torch.Tensor], None] | None = None,
         state_made: Callable[[int], None] | None = None,
         enabled: bool = True,
+        every_parameter: bool = False,
     ) -> None:
         if isinstance(optimizer, NEEDS_EVERY_GRADIENT):
             raise ValueError(
@@ -87,7 +95,9 @@ class OptimizerInBackward:
         self.before_step = before_step
         self.state_made = state_made
         self.enabled = enabled
+        self.every_parameter = every_parameter
         self._active = False
+        self._stepped_now: set[int] = set()  # ids of the parameters the running block stepped
         self._group_index: dict[torch.Tensor, int] = {}
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         for index, group in enumerate(optimizer.param_groups):
@@ -96,17 +106,22 @@ class OptimizerInBackward:
                     raise ValueError("a parameter is in two parameter groups of the optimizer")
                 self._group_index[param] = index
                 if param.requires_grad:
-                    self._handles.append(param.register_post_accumulate_grad_hook(self._gradient_done))
+                    self._handles.append(param.register_post_accumulate_grad_hook(self.gradient_done))
         self.stepped = 0  # parameters stepped in the current (or last) ``stepping`` block
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """Step each parameter whose gradient a backward inside completes, then any still holding one."""
         self._active, self.stepped = True, 0
+        self._stepped_now.clear()
         try:
             yield
             for param in self._group_index:
-                if self.enabled and param.grad is not None:
+                if not self.enabled:
+                    break
+                if id(param) in self._stepped_now:
+                    param.grad = None  # written again after its step (a gradient bucket copied back)
+                elif param.grad is not None or (self.every_parameter and param.requires_grad):
                     self._step_and_free(param)
         finally:
             self._active = False
@@ -116,8 +131,10 @@ class OptimizerInBackward:
             handle.remove()
         self._handles.clear()
 
-    def _gradient_done(self, param: torch.Tensor) -> None:
-        if self._active and self.enabled and param.grad is not None:
+    def gradient_done(self, param: torch.Tensor) -> None:
+        """``param``'s gradient is complete: inside a ``stepping`` block, step it and free the gradient."""
+        waiting = self._active and self.enabled and id(param) not in self._stepped_now
+        if waiting and (param.grad is not None or self.every_parameter):
             self._step_and_free(param)
 
     def _step_and_free(self, param: torch.Tensor) -> None:
@@ -137,6 +154,7 @@ class OptimizerInBackward:
             for group, params in zip(groups, kept, strict=True):
                 group["params"] = params
         param.grad = None
+        self._stepped_now.add(id(param))
         self.stepped += 1
         if report is not None:
             report(sum(t.numel() * t.element_size() for t in plain_tensors(self.optimizer.state.get(param, {}))))

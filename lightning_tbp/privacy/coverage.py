@@ -118,6 +118,8 @@ class GraphSurvey:
     slot_calls: Counter
     uses: list
     contributions: Counter  # id(param) -> number of clipped paths reaching it
+    readers: Counter = field(default_factory=Counter)
+    """id(param) -> ops whose backward reads it to pass a gradient on (``engine.ReadsDone``)."""
 
     def structure(self) -> tuple:
         """What the independence probe is keyed by: the same structure is probed once."""
@@ -129,6 +131,7 @@ def survey_graph(loss: Tensor, found: Survey, engine: object) -> GraphSurvey:
     from lightning_tbp.privacy.tracked import TrackedTensor
 
     slot_calls: Counter = Counter()
+    readers: Counter = Counter()
     uses: list = []
     leaks: dict[int, str] = {}
     seen, stack = set(), [(loss.grad_fn, "the loss")]
@@ -143,6 +146,8 @@ def survey_graph(loss: Tensor, found: Survey, engine: object) -> GraphSurvey:
             slot_calls[slot] += 1
         elif use is not None and getattr(use, "owner", None) is engine:
             uses.append(use)
+        elif getattr(node, "reads_for", None) is engine:
+            readers.update(id(param) for param in cast(Any, node).read_params)
         elif type(node).__name__ == "AccumulateGrad":
             variable = cast(Any, node).variable  # AccumulateGrad's leaf
             if isinstance(variable, TrackedTensor):
@@ -180,7 +185,7 @@ def survey_graph(loss: Tensor, found: Survey, engine: object) -> GraphSurvey:
             "clipping needs every trainable parameter in the graph (each would get noise but no gradient): "
             "freeze them or use them"
         )
-    return GraphSurvey(slot_calls, uses, contributions)
+    return GraphSurvey(slot_calls, uses, contributions, readers)
 
 
 def check_batch_norms(found: Survey) -> None:

@@ -260,6 +260,7 @@ def _in_place(func: Any, name: str, args: tuple, kwargs: dict, tracked: list[Tra
 
 def _use(func: Any, args: tuple, kwargs: dict, tracked: list[TrackedTensor], owner: Any) -> Any:
     """An op mixing tracked tensors with data: run it plainly, route its outputs through ``_RawUse``."""
+    args, kwargs = owner.mark_reads(_params_of(tracked), args, kwargs)
     out = _plain_call(func, args, kwargs)
     outputs = out if isinstance(out, (tuple, list)) else (out,)
     positions = [i for i, o in enumerate(outputs) if isinstance(o, Tensor) and o.is_floating_point()]

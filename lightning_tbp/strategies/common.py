@@ -121,7 +121,7 @@ class TinyBackpropMixin:
             this many and check it against the plan (0: the first three only); see
             :class:`~lightning_tbp.strategies.loop.LoopWatch`.
         optimizer_in_backward: step the optimizer on each parameter inside the backward, as soon as
-            its gradient is complete, and free the gradient at once (one device, no DP; see
+            its gradient is complete, and free the gradient at once (one device; see
             :mod:`lightning_tbp.strategies.step_in_backward` for what it refuses). The step then
             never holds every gradient; the plan counts it. ``"auto"`` (default): only where the
             budget cannot be met otherwise, and only for optimizers known to update each parameter
@@ -276,7 +276,11 @@ class TinyBackpropMixin:
                 + "; ".join(blocked)
                 + ". Change these, or train with optimizer_in_backward=False"
             )
-        stepping = None if blocked else StepInBackward(trainer, self.optimizers[0], enabled=not automatic)
+        stepping = (
+            None
+            if blocked
+            else StepInBackward(trainer, self.optimizers[0], enabled=not automatic, private=self.privacy)
+        )
         if not automatic:
             return stepping, None
         optimizers, device = self.optimizers, self.root_device
@@ -464,14 +468,17 @@ class TinyBackpropMixin:
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         def closure_then_step() -> Any:
             result = closure()  # the last micro-batch's forward and backward
+            stepped = self._in_backward is not None and self._in_backward.enabled
             if self._in_backward is not None:
                 self._in_backward.backward_done()
-            if self.privacy is not None:
+            if self.privacy is not None and not stepped:
                 self.privacy.finish_logical_batch(add_noise=self.global_rank == 0)
             if self._watch is not None:
                 self._watch.optimizer_stepping()
             return result
 
+        if self.privacy is not None:
+            self.privacy.begin_logical_batch()  # before its last backward, which may step the parameters
         lightning_step = super().optimizer_step
         if self._in_backward is not None:
             return self._in_backward.optimizer_step(

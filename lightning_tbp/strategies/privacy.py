@@ -4,7 +4,8 @@
 the accountant. The strategy calls it at four points: ``setup`` (attach the engine),
 ``process_dataloader`` (re-sample the train loader), ``backward`` (clip per sample, no noise yet)
 and ``optimizer_step`` (noise once per logical batch, divide by the expected logical batch size,
-one accountant step). The backward goes through Lightning's own chain (precision plugin,
+one accountant step; with the optimizer inside the backward each parameter is noised and
+averaged as its clipped sum completes). The backward goes through Lightning's own chain (precision plugin,
 callbacks' and the module's hooks, a user's ``LightningModule.backward``): the strategy hands it
 the loss as a :class:`PerSampleLoss`, whose ``backward()`` is the engine's. ``PrivacyCallback``
 logs ε every epoch and carries the accountant in Lightning checkpoints, so a resumed run keeps
@@ -237,11 +238,9 @@ class PrivateTraining:
         leaves = [leaf for leaf in tree_flatten(batch)[0] if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
         return bool(leaves) and leaves[0].shape[0] == 0
 
-    def finish_logical_batch(self, add_noise: bool = True) -> None:
-        """Noise once for the logical batch, the average over its expected size, one accountant step.
-
-        With several processes each holds the clipped sum of its own samples: one process adds
-        the noise (``add_noise``), the sums are added up, so the global batch gets noise once."""
+    def begin_logical_batch(self) -> None:
+        """Before the logical batch's last backward: refuse a step past the target ε (before any
+        parameter can be stepped), and seed the batch's noise (``DPEngine.draw_noise_seed``)."""
         if self.config.target_epsilon is not None and self.accountant.steps >= self.planned_steps:
             raise PrivacyBudgetExceededError(
                 f"this would be step {self.accountant.steps + 1} of a run calibrated for {self.planned_steps} steps "
@@ -249,16 +248,36 @@ class PrivateTraining:
                 f"{self.epsilon():.3f}). Stop at the planned steps, or resume with a larger target_epsilon or "
                 "max_steps/max_epochs so the noise is recalibrated"
             )
-        if add_noise or self.gradient_sum is None:
-            self.engine.add_noise()
+        self.engine.draw_noise_seed()
+
+    def finish_logical_batch(self, add_noise: bool = True) -> None:
+        """Noise once for the logical batch, the average over its expected size, one accountant step.
+
+        With several processes each holds the clipped sum of its own samples: one process adds
+        the noise (``add_noise``), the sums are added up, so the global batch gets noise once."""
         grads = []
         for param in self.engine.parameters:
+            if add_noise or self.gradient_sum is None:
+                self.engine.add_noise_to(param)
             if param.grad is None:  # no sample on this process reached it (an empty micro-batch)
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
         if self.gradient_sum is not None:
             self.gradient_sum(grads)
         foreach_div_(grads, self.expected_batch_size)
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+
+    def finish_parameter(self, param: torch.Tensor) -> None:
+        """One parameter's part of :meth:`finish_logical_batch`, in one process, as its clipped sum
+        completes (the optimizer steps it inside the backward): its noise and the average."""
+        assert self.gradient_sum is None, "several processes sum their clipped gradients after the backward"
+        self.engine.add_noise_to(param)
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.div_(self.expected_batch_size)
+
+    def finish_stepped_batch(self) -> None:
+        """The logical batch's parameters were finished and stepped one by one: its accountant step."""
         self.accountant.step(self.noise_multiplier, self.sample_rate)
 
     def epsilon(self) -> float:

@@ -15,6 +15,12 @@ backward steps each parameter and frees its gradient, and the precision plugin's
 outside, so their gradients accumulate as usual. What reads every gradient between the backward
 and the step would read none, so it is refused: norm clipping, ``on_before_optimizer_step``
 hooks, a grad scaler; clipping by value is per element and is done per parameter before its step.
+
+Under DP the engine writes each parameter's clipped sum itself and says when the last of its
+contributions is in (``DPEngine.gradient_complete``); the parameter is then noised and averaged
+as the logical batch's end would (``PrivateTraining.finish_parameter``), clipped by value if
+asked, and stepped. Its noise is the noise the ordinary step would add (each parameter's from its
+own stream), and the accountant takes one step per logical batch as before, so ε is unchanged.
 """
 
 from __future__ import annotations
@@ -31,25 +37,37 @@ from torch.optim import Optimizer
 
 from lightning_tbp.optim import OptimizerInBackward, steps_per_parameter
 from lightning_tbp.optim.in_backward import NEEDS_EVERY_GRADIENT
+from lightning_tbp.strategies.privacy import PrivateTraining
 
 
 class StepInBackward:
     """One fit's optimizer inside the backward, for a strategy that trains on one device: the
     optimizer hooked in (what cannot compose must have been refused: :func:`blockers`).
 
-    ``enabled=False``: set up idle, stepping as usual until :meth:`enable`."""
+    ``enabled=False``: set up idle, stepping as usual until :meth:`enable`. ``private``: the fit's
+    DP, whose engine announces each parameter's completed clipped sum."""
 
-    def __init__(self, trainer: pl.Trainer, optimizer: Optimizer, enabled: bool = True) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, optimizer: Optimizer, enabled: bool = True, private: PrivateTraining | None = None
+    ) -> None:
         clip = trainer.gradient_clip_val
-        before_step = None
-        if clip:
-            limit = float(clip)
+        limit = float(clip) if clip else None
 
-            def before_step(param: torch.Tensor) -> None:
+        def before_step(param: torch.Tensor) -> None:
+            if private is not None:
+                private.finish_parameter(param)  # its noise and the average, as the batch's end would
+            if limit is not None:
                 assert param.grad is not None
                 param.grad.clamp_(min=-limit, max=limit)  # as torch.nn.utils.clip_grad_value_
 
-        self.stepper = OptimizerInBackward(optimizer, before_step, enabled=enabled)
+        needed = private is not None or limit is not None
+        self.stepper = OptimizerInBackward(
+            optimizer, before_step if needed else None, enabled=enabled, every_parameter=private is not None
+        )
+        self._private = private
+        if private is not None:
+            assert private.engine is not None
+            private.engine.gradient_complete = self.stepper.gradient_done
         self._trainer = trainer
         self._clip: Any = None
 
@@ -75,9 +93,13 @@ class StepInBackward:
     def backward_done(self) -> None:
         """The closure's backward ended. If it stepped, clipping by value was done per parameter
         before its step, so the precision plugin's own clipping after the closure, which would
-        find no gradient left, is switched off until the step ends."""
+        find no gradient left, is switched off until the step ends; under DP the logical batch
+        takes its accountant step (its parameters were finished one by one, or are as the step
+        ends: those the last micro-batch did not reach)."""
         if self.enabled:
             self._trainer.gradient_clip_val = None
+            if self._private is not None:
+                self._private.finish_stepped_batch()
 
     def report_state_to(self, state_made: Callable[[int], None]) -> None:
         """Tell ``state_made`` around each parameter's first step (``OptimizerInBackward.state_made``)."""
@@ -85,6 +107,8 @@ class StepInBackward:
 
     def teardown(self) -> None:
         self.stepper.remove()
+        if self._private is not None and self._private.engine is not None:
+            self._private.engine.gradient_complete = None
 
 
 def blockers(
@@ -96,16 +120,16 @@ def blockers(
     one_device: bool,
     automatic: bool,
 ) -> list[str]:
-    """What keeps the optimizer from stepping inside the backward in this fit, by name: DP
-    (``private``), several devices, what needs every gradient (:func:`refusals_of`) and, for
-    ``"auto"`` (``automatic``), an optimizer not known to update each parameter on its own."""
+    """What keeps the optimizer from stepping inside the backward in this fit, by name: several
+    devices (with DP too), what needs every gradient (:func:`refusals_of`) and, for ``"auto"``
+    (``automatic``), an optimizer not known to update each parameter on its own."""
     blocked = []
-    if private:
+    if private and not one_device:
         blocked.append(
-            "it does not compose with dp= yet: the DP engine writes each clipped gradient after its backward "
-            "passes, not through autograd's accumulation where the step hooks in"
+            "with dp= it runs on one device for now: each process's clipped sums are added up across the "
+            "processes after the backward, and no parameter can be noised and stepped before that"
         )
-    if not one_device:
+    elif not one_device:
         blocked.append(
             "it runs on one device (strategy='tiny_backprop') for now: the multi-device strategies reduce the "
             "gradients across processes after the backward"

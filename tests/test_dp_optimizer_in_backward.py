@@ -130,6 +130,6 @@ def test_dp_on_several_devices_is_refused_by_name() -> None:
     module = Regressor()
     trainer = type("T", (), {"gradient_clip_val": None, "callbacks": [], "precision_plugin": None})()
     optimizer = torch.optim.SGD(module.parameters(), lr=1.0)
-    found = blockers(trainer, module, [optimizer], private=True, one_device=False, automatic=False)  # type: ignore[arg-type]
+    found = blockers(trainer, module, [optimizer], private=True, devices="ddp", automatic=False)  # type: ignore[arg-type]
     assert any("with dp= it runs on one device" in reason for reason in found)
-    assert not blockers(trainer, module, [optimizer], private=True, one_device=True, automatic=False)  # type: ignore[arg-type]
+    assert not blockers(trainer, module, [optimizer], private=True, devices=None, automatic=False)  # type: ignore[arg-type]

@@ -72,6 +72,11 @@ def test_registered_with_their_lightning_bases() -> None:
         TinyBackpropFSDP2Strategy(dp="ghost", noise_multiplier=1.0)
     with pytest.raises(ValueError, match="is not valid"):
         TinyBackpropDDPStrategy(memory_budget="lots")
+    # the step inside the backward under DDP needs the gradients as views of DDP's buckets
+    assert TinyBackpropDDPStrategy(optimizer_in_backward=True)._ddp_kwargs["gradient_as_bucket_view"]
+    (blocked,) = TinyBackpropDDPStrategy()._fused_step_blockers()
+    assert "gradient_as_bucket_view=True" in blocked
+    assert not TinyBackpropDDPStrategy(gradient_as_bucket_view=True)._fused_step_blockers()
 
 
 def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
@@ -85,8 +90,11 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp"])
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused"])
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
+    """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
+    reduced (DDP's communication hook, FSDP2's post-reduce-scatter hooks): the same weights, every
+    parameter stepped inside the backward on every rank."""
     out = tmp_path / scenario
     result = run_two_processes(scenario, out)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -99,6 +107,11 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
         torch.testing.assert_close(params[name], ref, rtol=1e-5, atol=1e-6, msg=name)
         if scenario.startswith("lora") and "lora_" not in name:
             assert torch.equal(params[name], initial[name]), f"frozen {name} moved"
+    if scenario.endswith("_fused"):
+        trainable = sum(1 for _ in Regressor(scenario, out).net.parameters())
+        for rank in range(WORLD):
+            counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
+            assert counts == {"stepped": trainable, "after": 0}, (rank, counts)
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())

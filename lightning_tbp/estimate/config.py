@@ -99,9 +99,11 @@ def estimate_config(
             module,
             step.optimizers,
             private=privacy is not None,
-            one_device=step.layout.kind == "single",
+            devices=None,
             automatic=mode == "auto",
         )
+        if step.layout.kind != "single":
+            blocked.append("tbp estimate counts the step inside the backward on one device for now")
         modes.append((mode, blocked))
         return step
 

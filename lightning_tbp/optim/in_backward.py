@@ -20,9 +20,10 @@ backward (it took part only in earlier micro-batches) is stepped as the block en
 ordinary step would have.
 
 Gradients that do not arrive through autograd's accumulation (DP's engine writes each clipped sum
-itself; FSDP2 runs the hooks on its sharded parameters after the reduce-scatter) are announced by
-whoever writes them, through :meth:`OptimizerInBackward.gradient_done`. Each parameter is
-stepped at most once per ``stepping`` block, whoever announces it.
+itself; DDP's communication hook has a bucket's sums once its all-reduce is done) are announced
+by whoever writes them, through :meth:`OptimizerInBackward.gradient_done`; FSDP2 runs the hooks
+on its sharded parameters itself, after their reduce-scatter. Each parameter is stepped at most
+once per ``stepping`` block, whoever announces it.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class OptimizerInBackward:
         state_made: Callable[[int], None] | None = None,
         enabled: bool = True,
         every_parameter: bool = False,
+        hooks: bool = True,
     ) -> None:
         if isinstance(optimizer, NEEDS_EVERY_GRADIENT):
             raise ValueError(
@@ -105,14 +107,15 @@ class OptimizerInBackward:
                 if param in self._group_index:
                     raise ValueError("a parameter is in two parameter groups of the optimizer")
                 self._group_index[param] = index
-                if param.requires_grad:
+                if param.requires_grad and hooks:
                     self._handles.append(param.register_post_accumulate_grad_hook(self.gradient_done))
         self.stepped = 0  # parameters stepped in the current (or last) ``stepping`` block
+        self.stepped_after = 0  # of those, stepped as the block ended, after its backward
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:
         """Step each parameter whose gradient a backward inside completes, then any still holding one."""
-        self._active, self.stepped = True, 0
+        self._active, self.stepped, self.stepped_after = True, 0, 0
         self._stepped_now.clear()
         try:
             yield
@@ -123,6 +126,7 @@ class OptimizerInBackward:
                     param.grad = None  # written again after its step (a gradient bucket copied back)
                 elif param.grad is not None or (self.every_parameter and param.requires_grad):
                     self._step_and_free(param)
+                    self.stepped_after += 1
         finally:
             self._active = False
 

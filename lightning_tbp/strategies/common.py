@@ -33,6 +33,7 @@ from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
+from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
@@ -121,7 +122,7 @@ class TinyBackpropMixin:
             this many and check it against the plan (0: the first three only); see
             :class:`~lightning_tbp.strategies.loop.LoopWatch`.
         optimizer_in_backward: step the optimizer on each parameter inside the backward, as soon as
-            its gradient is complete, and free the gradient at once (one device; see
+            its gradient is complete, and free the gradient at once (one device, DDP or FSDP2; see
             :mod:`lightning_tbp.strategies.step_in_backward` for what it refuses). The step then
             never holds every gradient; the plan counts it. ``"auto"`` (default): only where the
             budget cannot be met otherwise, and only for optimizers known to update each parameter
@@ -262,13 +263,16 @@ class TinyBackpropMixin:
         automatic = self.optimizer_in_backward == "auto"
         if automatic and self.memory_budget is None:
             return None, None  # no plan to take it
-        blocked = blockers(
-            trainer,
-            self.lightning_module,
-            self.optimizers,
-            private=self.privacy is not None,
-            one_device=isinstance(self, SingleDeviceStrategy),
-            automatic=automatic,
+        blocked = (
+            blockers(
+                trainer,
+                self.lightning_module,
+                self.optimizers,
+                private=self.privacy is not None,
+                devices=self._reduction_kind(),
+                automatic=automatic,
+            )
+            + self._fused_step_blockers()
         )
         if not automatic and blocked:
             raise ValueError(
@@ -276,11 +280,13 @@ class TinyBackpropMixin:
                 + "; ".join(blocked)
                 + ". Change these, or train with optimizer_in_backward=False"
             )
-        stepping = (
-            None
-            if blocked
-            else StepInBackward(trainer, self.optimizers[0], enabled=not automatic, private=self.privacy)
-        )
+        stepping = None
+        if not blocked:
+            announced = self._reduction_kind() == "ddp"  # autograd's local sums are not final there
+            stepping = StepInBackward(
+                trainer, self.optimizers[0], enabled=not automatic, private=self.privacy, hooks=not announced
+            )
+            self._announce_reduced_gradients(stepping.stepper)
         if not automatic:
             return stepping, None
         optimizers, device = self.optimizers, self.root_device
@@ -291,6 +297,19 @@ class TinyBackpropMixin:
             blocked="; ".join(blocked) if blocked else None,
         )
         return stepping, alternative
+
+    def _reduction_kind(self) -> str | None:
+        """How this strategy reduces gradients across devices: None on one device, else its kind
+        (``step_in_backward.REDUCES_PER_BUCKET`` names those the optimizer can step inside)."""
+        return None if isinstance(self, SingleDeviceStrategy) else type(self).__name__
+
+    def _fused_step_blockers(self) -> list[str]:
+        """What in this strategy's own set-up keeps the optimizer out of the backward, by name."""
+        return []
+
+    def _announce_reduced_gradients(self, stepper: OptimizerInBackward) -> None:
+        """Hand each parameter's reduced gradient to ``stepper`` where autograd's hooks do not
+        (nothing to do on one device)."""
 
     def held_memory(self) -> HeldMemory:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part

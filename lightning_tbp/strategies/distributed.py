@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_tbp.compat import (
@@ -32,6 +33,7 @@ from lightning_tbp.compat import (
     make_data_parallel_only,
     unflatten_dense_tensors,
 )
+from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
 
@@ -56,6 +58,11 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
 
     strategy_name = "tiny_backprop_ddp"
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.optimizer_in_backward is True:  # gradients as views of DDP's buckets: see _fused_step_blockers
+            self._ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+
     @override
     def configure_ddp(self) -> None:
         if self.privacy is None:
@@ -67,6 +74,52 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
     @override
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
         return all_reduce_sum
+
+    @override
+    def _reduction_kind(self) -> str | None:
+        return "ddp"
+
+    @override
+    def _fused_step_blockers(self) -> list[str]:
+        if self.privacy is None and not self._ddp_kwargs.get("gradient_as_bucket_view", False):
+            return [
+                "DDP copies every bucket back into new gradients after the backward unless "
+                "gradient_as_bucket_view=True (optimizer_in_backward=True sets it; with 'auto' pass it yourself)"
+            ]
+        return []
+
+    @override
+    def _announce_reduced_gradients(self, stepper: OptimizerInBackward) -> None:
+        """DDP's communication hook: each bucket all-reduced as DDP's own hook does, then its
+        parameters stepped on the reduced sums (views of the bucket) before the backward goes on."""
+        if self._ddp_comm_hook is not None:
+            raise ValueError(
+                "optimizer_in_backward under tiny_backprop_ddp steps each bucket in its own communication hook, "
+                "and DDP takes one: drop ddp_comm_hook, or train with optimizer_in_backward=False"
+            )
+        assert isinstance(self.model, DistributedDataParallel)
+        self.model.register_comm_hook(stepper, _reduce_then_step)
+
+
+def _reduce_then_step(stepper: OptimizerInBackward, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the bucket's mean over the processes, formed as DDP's default
+    hook forms it, then each of its parameters stepped on its reduced gradient (a view of the
+    bucket). The reduction is waited for here, in the backward's thread (on CUDA the wait orders
+    the current stream after it; the host goes on), so the step runs where the backward does,
+    never beside it in a communication thread."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    dist.all_reduce(buffer)
+    for param, grad in zip(bucket.parameters(), bucket.gradients(), strict=True):
+        param.grad = grad
+        stepper.gradient_done(param)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    done.set_result(buffer)
+    return done
+
+
+# DDP checks a hook's annotations against the objects themselves; this module's are strings
+_reduce_then_step.__annotations__.update({"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]})
 
 
 class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
@@ -174,6 +227,10 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
             )
         super().__init__(*args, **kwargs)
         self.reshard_after_forward = reshard_after_forward
+
+    @override
+    def _reduction_kind(self) -> str | None:
+        return "fsdp2"
 
     @override
     def apply_fsdp2(self) -> None:

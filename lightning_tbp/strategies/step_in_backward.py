@@ -41,14 +41,21 @@ from lightning_tbp.strategies.privacy import PrivateTraining
 
 
 class StepInBackward:
-    """One fit's optimizer inside the backward, for a strategy that trains on one device: the
-    optimizer hooked in (what cannot compose must have been refused: :func:`blockers`).
+    """One fit's optimizer inside the backward: the optimizer hooked in (what cannot compose must
+    have been refused: :func:`blockers`).
 
     ``enabled=False``: set up idle, stepping as usual until :meth:`enable`. ``private``: the fit's
-    DP, whose engine announces each parameter's completed clipped sum."""
+    DP, whose engine announces each parameter's completed clipped sum. ``hooks=False``: the
+    gradients autograd accumulates are not final (DDP's, before their all-reduce): the strategy
+    announces each parameter (``stepper.gradient_done``)."""
 
     def __init__(
-        self, trainer: pl.Trainer, optimizer: Optimizer, enabled: bool = True, private: PrivateTraining | None = None
+        self,
+        trainer: pl.Trainer,
+        optimizer: Optimizer,
+        enabled: bool = True,
+        private: PrivateTraining | None = None,
+        hooks: bool = True,
     ) -> None:
         clip = trainer.gradient_clip_val
         limit = float(clip) if clip else None
@@ -62,7 +69,11 @@ class StepInBackward:
 
         needed = private is not None or limit is not None
         self.stepper = OptimizerInBackward(
-            optimizer, before_step if needed else None, enabled=enabled, every_parameter=private is not None
+            optimizer,
+            before_step if needed else None,
+            enabled=enabled,
+            every_parameter=private is not None,
+            hooks=hooks,
         )
         self._private = private
         if private is not None:
@@ -111,28 +122,37 @@ class StepInBackward:
             self._private.engine.gradient_complete = None
 
 
+#: How the multi-device strategies hand each parameter's reduced gradient to its step.
+REDUCES_PER_BUCKET = {
+    "ddp": "DDP's communication hook steps each bucket's parameters once its all-reduce is done",
+    "fsdp2": "FSDP2 runs the hooks on each sharded parameter once its reduce-scatter is done",
+}
+
+
 def blockers(
     trainer: pl.Trainer,
     module: pl.LightningModule,
     optimizers: list[Optimizer],
     *,
     private: bool,
-    one_device: bool,
+    devices: str | None,
     automatic: bool,
 ) -> list[str]:
-    """What keeps the optimizer from stepping inside the backward in this fit, by name: several
-    devices (with DP too), what needs every gradient (:func:`refusals_of`) and, for ``"auto"``
-    (``automatic``), an optimizer not known to update each parameter on its own."""
+    """What keeps the optimizer from stepping inside the backward in this fit, by name: DP on
+    several devices, a multi-device strategy that reduces after the backward (``devices``: None
+    for one device, else the strategy's kind; :data:`REDUCES_PER_BUCKET` names those that work),
+    what needs every gradient (:func:`refusals_of`) and, for ``"auto"`` (``automatic``), an
+    optimizer not known to update each parameter on its own."""
     blocked = []
-    if private and not one_device:
+    if private and devices is not None:
         blocked.append(
             "with dp= it runs on one device for now: each process's clipped sums are added up across the "
             "processes after the backward, and no parameter can be noised and stepped before that"
         )
-    elif not one_device:
+    elif devices is not None and devices not in REDUCES_PER_BUCKET:
         blocked.append(
-            "it runs on one device (strategy='tiny_backprop') for now: the multi-device strategies reduce the "
-            "gradients across processes after the backward"
+            f"{devices} reduces the gradients after the backward, so no parameter's reduced gradient is known "
+            "inside it (tiny_backprop_ddp and tiny_backprop_fsdp2 step each bucket once it is reduced)"
         )
     blocked += refusals_of(trainer, module, optimizers)
     unknown = [type(o).__name__ for o in optimizers if not steps_per_parameter(o)]

@@ -6,6 +6,9 @@ python multi_device.py SCENARIO OUT_DIR
 Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless said):
   ddp, fsdp2   4 SGD steps with the plan on a deterministic regression; final parameters
                (params.pt), the plan each rank ran (plan_rank{r}.json), memory JSON per rank (ddp)
+  ddp_fused, fsdp2_fused
+               the same with the optimizer inside the backward; how many parameters each rank
+               stepped inside its last backward and after it (stepped_rank{r}.json)
   dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
                the gradient the optimizer saw (dp.pt, indices_rank{r}.pt)
   dp_noise     one DP step with noise 1 and a loss whose gradient is 0: the gradient is the noise
@@ -65,16 +68,32 @@ class Regressor(L.LightningModule):
         if self.global_rank == 0:
             torch.save({k: v.detach().clone() for k, v in self.net.state_dict().items()}, self.out / "initial.pt")
 
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class DPRegressor(Regressor):
+    """Saves the gradient the optimizer sees (which a step inside the backward would refuse)."""
+
     def on_before_optimizer_step(self, optimizer) -> None:
-        if self.scenario.startswith("dp") and self.global_rank == 0:
+        if self.global_rank == 0:
             grads = {name: p.grad.clone() for name, p in self.net.named_parameters()}
             torch.save(
                 {"grads": grads, "expected_batch": self.trainer.strategy.privacy.expected_batch_size},
                 self.out / "dp.pt",
             )
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+class StepCounts(L.Callback):
+    """How many parameters the last step stepped inside its backward and after it, per rank."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        stepper = trainer.strategy._in_backward.stepper
+        counts = {"stepped": stepper.stepped, "after": stepper.stepped_after}
+        (self.out / f"stepped_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
 def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -88,15 +107,22 @@ if __name__ == "__main__":
     scenario, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
     strategy = {"ddp": "tiny_backprop_ddp", "fsdp2": "tiny_backprop_fsdp2"}.get(scenario, "tiny_backprop_ddp")
+    if scenario.endswith("_fused"):
+        from lightning_tbp import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy
+
+        fused = {"ddp_fused": TinyBackpropDDPStrategy, "fsdp2_fused": TinyBackpropFSDP2Strategy}[scenario]
+        strategy = fused(optimizer_in_backward=True)
     if scenario.startswith("dp"):
         from lightning_tbp import TinyBackpropDDPStrategy
 
         noise = 1.0 if scenario == "dp_noise" else 0.0
         strategy = TinyBackpropDDPStrategy(memory_budget=0.6, dp="ghost", max_grad_norm=1e-3, noise_multiplier=noise)
-    model = Regressor(scenario, out)
+    model = (DPRegressor if scenario.startswith("dp") else Regressor)(scenario, out)
     callbacks = (
         [MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=out / "memory")]
         if scenario == "ddp"
+        else [StepCounts(out)]
+        if scenario.endswith("_fused")
         else []
     )
     trainer = L.Trainer(

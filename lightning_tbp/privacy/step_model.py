@@ -199,6 +199,8 @@ class TapEffects(StepEffects):
             step.mem += transient
             step.tick()
             step.mem -= transient
+            if step.steps_in_backward and tap.layer not in self.repeated_layers:
+                step.step_written_gradients(tap.parameter_bytes)  # its parameters' last contribution
             step.release(holds)
             step.kept_grads.discard(grad)
             step.free_grad(grad)

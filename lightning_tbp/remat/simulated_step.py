@@ -203,6 +203,7 @@ class SimulatedStep:
         # the optimizer inside the backward (``LoopModel.step_in_backward``): parameters stepped
         # where their gradient is complete
         self.parameter_steps = facts.parameter_grads_done if loop.step_in_backward else {}
+        self.steps_in_backward = loop.step_in_backward
         self.parameter_step_ratio = loop.parameter_step_ratio
 
         trace = self.trace
@@ -716,6 +717,18 @@ class SimulatedStep:
                 self.grads.discard(sid)
                 self.mem -= sizes[sid]
                 self.parameter_grads -= sizes[sid]
+
+    def step_written_gradients(self, nbytes: int) -> None:
+        """Parameter gradients the step's effects just wrote, complete, are stepped at once (the
+        optimizer inside the backward): their step's temporaries while it runs, then the
+        gradients freed (kept where the loop holds earlier ones, as in :meth:`step_parameters`)."""
+        temporaries = math.ceil(self.parameter_step_ratio * nbytes)
+        self.mem += temporaries
+        self.tick()
+        self.mem -= temporaries
+        if self.plain_loop:
+            self.mem -= nbytes
+            self.parameter_grads -= nbytes
 
     def drop_grad_view(self, sid: int) -> None:
         self.grad_slices.discard(sid)

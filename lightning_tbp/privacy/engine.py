@@ -157,8 +157,9 @@ class DPEngine:
     gradients plus noise (not divided by B); ``per_sample_norms`` then holds the [B] norms.
 
     ``gradient_complete``, if set, is called with each parameter as soon as the backward has
-    written the last of its clipped contributions (the graph survey counts them), so that an
-    optimizer can step it inside the backward (``lightning_tbp.optim.OptimizerInBackward``).
+    written the last of its clipped contributions and no op's backward still reads its value
+    (the graph survey counts both; :class:`ReadsDone`), so that an optimizer can step it inside
+    the backward (``lightning_tbp.optim.OptimizerInBackward``).
     Each parameter's noise comes from a stream of its own, seeded once per logical batch from
     ``generator`` (:meth:`draw_noise_seed`): what a parameter gets does not depend on the order
     parameters are noised in, so noising each as its sum completes adds the very noise

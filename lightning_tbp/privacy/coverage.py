@@ -119,7 +119,7 @@ class GraphSurvey:
     uses: list
     contributions: Counter  # id(param) -> number of clipped paths reaching it
     readers: Counter = field(default_factory=Counter)
-    """id(param) -> ops whose backward reads it to pass a gradient on (``engine.ReadsDone``)."""
+    """id(param) -> ops whose backward reads it to pass a gradient on (``completion.ReadsDone``)."""
 
     def structure(self) -> tuple:
         """What the independence probe is keyed by: the same structure is probed once."""

@@ -40,16 +40,9 @@ import torch
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_tbp.compat import (
-    FakeTensor,
-    parameter_table,
-    set_parameter_table,
-    storage_key,
-    tree_flatten,
-    tree_map,
-    unset_fake_temporarily,
-)
+from lightning_tbp.compat import parameter_table, set_parameter_table, storage_key
 from lightning_tbp.memory.meters import foreign_profiler_active, garbage_collection_held
+from lightning_tbp.privacy.completion import Completion
 from lightning_tbp.privacy.coverage import (
     check_batch_norms,
     listed_samples,
@@ -61,8 +54,9 @@ from lightning_tbp.privacy.coverage import (
 )
 from lightning_tbp.privacy.errors import FIXES, CoverageError, PerSampleLossError
 from lightning_tbp.privacy.layers.registry import LayerHandler
+from lightning_tbp.privacy.noise import NoiseStreams
 from lightning_tbp.privacy.step_model import DPStepModel, TapNote, dp_step_model
-from lightning_tbp.privacy.tracked import RawUse, TrackedParameters, TrackedTensor
+from lightning_tbp.privacy.tracked import RawUse, TrackedParameters
 from lightning_tbp.remat.calibrate import TensorSpec, best_ns, first_run
 from lightning_tbp.remat.replay import CheckpointedCall, recorded_call, register_checkpoint_recorder, replayed
 from lightning_tbp.remat.signature import batch_size_of
@@ -122,29 +116,6 @@ class _Tap(torch.autograd.Function):
         return (None, None, grad_output, *([None] * len(saved)))
 
 
-class ReadsDone(torch.autograd.Function):
-    """Identity on the tensors an op that reads ``params`` takes, with the optimizer inside the
-    backward (``DPEngine.gradient_complete``): the op's backward reads the parameters' values to
-    pass its input gradients on, and runs after its tap has the parameters' contribution, so a
-    parameter may be stepped in place only once the backward of this node, after the op's, ran.
-
-    The graph survey counts these nodes; one made while a recorded checkpoint runs again after
-    bookkeeping's book counts itself (its graph is new)."""
-
-    @staticmethod
-    @override
-    def forward(ctx: Any, engine: DPEngine, params: tuple[nn.Parameter, ...], *inputs: Tensor) -> tuple[Tensor, ...]:
-        ctx.reads_for, ctx.read_params = engine, params
-        engine._reader_made(params)
-        return tuple(t.view_as(t) for t in inputs)
-
-    @staticmethod
-    @override
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        ctx.reads_for._read_done(ctx.read_params)
-        return (None, None, *grads)
-
-
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
 
@@ -158,12 +129,10 @@ class DPEngine:
 
     ``gradient_complete``, if set, is called with each parameter as soon as the backward has
     written the last of its clipped contributions and no op's backward still reads its value
-    (the graph survey counts both; :class:`ReadsDone`), so that an optimizer can step it inside
-    the backward (``lightning_tbp.optim.OptimizerInBackward``).
-    Each parameter's noise comes from a stream of its own, seeded once per logical batch from
-    ``generator`` (:meth:`draw_noise_seed`): what a parameter gets does not depend on the order
-    parameters are noised in, so noising each as its sum completes adds the very noise
-    :meth:`add_noise` adds after the backward.
+    (``completion.py``), so that an optimizer can step it inside the backward
+    (``lightning_tbp.optim.OptimizerInBackward``). Each parameter's noise comes from a stream of
+    its own, seeded once per logical batch (:meth:`draw_noise_seed`, ``noise.py``), so noising
+    each as its sum completes adds the very noise :meth:`add_noise` adds after the backward.
     """
 
     def __init__(
@@ -190,7 +159,8 @@ class DPEngine:
         self.buffers = BufferStats()
         self.anchor = torch.zeros((), requires_grad=True)
         self._survey = survey(module)
-        self._noise_index = {pid: index for index, pid in enumerate(self._survey.params)}  # each one's stream
+        self._noise = NoiseStreams(self._survey.params.values())
+        self.completion = Completion(self, self.describe_param)
         self._handler_reads = 0  # >0 while a handler runs its layer: it reads the real parameters
         self._phase: str | None = None  # "probe", "norms", "sum" or "book" while a backward runs
         self._batch = 0
@@ -205,12 +175,6 @@ class DPEngine:
         self._probed_samples: list[int] = []  # whose losses the running probe backpropagates
         self._held: dict[int, int] = {}  # storage -> references the engine holds (for ``buffers``)
         self._warned_masked = False
-        self.gradient_complete: Callable[[nn.Parameter], None] | None = None
-        # id(param) -> what is still to come in this backward before its step: clipped contributions,
-        # and backwards of ops that read it (``ReadsDone``)
-        self._awaited: dict[int, int] = {}
-        self._rerunning = False  # a recorded checkpoint runs again after the book
-        self._noise_seed: int | None = None
         self._slots = self._install()
         # first among the module's hooks, so a plan profiling inside its own pre-hook sees it set
         self._batch_hooks = (
@@ -249,8 +213,7 @@ class DPEngine:
 
     def _tapped_forward(self, slot: _Slot, *args: Any, **kwargs: Any) -> Tensor:
         x = _layer_input(slot, args, kwargs)
-        if self.gradient_complete is not None and x.requires_grad:
-            (x,) = ReadsDone.apply(self, tuple(slot.params.values()), x)
+        x = self.completion.mark_input(tuple(slot.params.values()), x)
         self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
             output, saved = slot.handler.forward(slot.module, x)
@@ -427,7 +390,7 @@ class DPEngine:
         graph = survey_graph(loss, self._survey, self)
         self._batch = loss.shape[0]
         self._materialise = {pid for pid, count in graph.contributions.items() if count > 1}
-        self._awaited = dict(graph.contributions + graph.readers)
+        self.completion.start(graph.contributions, graph.readers)
         two_pass = STEP_PASSES[self.mode] == 2
         self.buffers, self._held = BufferStats(), {}
         try:
@@ -441,12 +404,14 @@ class DPEngine:
                 self._backpropagate(loss.sum(), retain_graph=True)
             else:
                 self._phase = "book"
+                self.completion.final_pass = True
                 self._backpropagate(loss.sum())
             self._finish_norms()
             self._warn_masked(graph.uses)
             coef = self.clip_coefficients
             if two_pass:
                 self._phase = "sum"
+                self.completion.final_pass = True
                 self._backpropagate((loss * coef.to(loss.dtype)).sum())
             else:
                 self._book.reverse()
@@ -459,7 +424,8 @@ class DPEngine:
                 self._replay_checkpoints(coef)
         finally:
             self._phase, self._book, self._pending, self._norm_sq, self._held = None, [], {}, None, {}
-            self._replays, self._awaited = [], {}
+            self._replays = []
+            self.completion.end()
             self.buffers.current_bytes = _bytes((self.per_sample_norms, self.clip_coefficients))
             self.buffers.peak_bytes = max(self.buffers.peak_bytes, self.buffers.current_bytes)
         if add_noise:
@@ -504,12 +470,23 @@ class DPEngine:
                 "plans without selective blocks"
             ) from error
 
+    @property
+    def gradient_complete(self) -> Callable[[nn.Parameter], None] | None:
+        """Called with each parameter whose step may run inside the backward (see the class)."""
+        return self.completion.announce
+
+    @gradient_complete.setter
+    def gradient_complete(self, announce: Callable[[nn.Parameter], None] | None) -> None:
+        self.completion.announce = announce
+
+    def mark_reads(self, params: tuple[nn.Parameter, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """A tracked op's arguments, marked for the step inside the backward (``Completion.mark_reads``)."""
+        return self.completion.mark_reads(params, args, kwargs)
+
     def draw_noise_seed(self) -> None:
-        """Seed this logical batch's noise: one draw from ``generator``, from which each parameter's
-        own stream is seeded. :meth:`add_noise` draws it; a step that noises each parameter on its
-        own (:meth:`add_noise_to`) draws it once before the first."""
-        with unset_fake_temporarily():  # a real draw also where ``tbp estimate`` runs the step on fake tensors
-            self._noise_seed = int(torch.randint(0, 2**62, (), generator=self.generator))
+        """Seed this logical batch's noise: one draw from ``generator``. :meth:`add_noise` draws it;
+        a step that noises each parameter on its own (:meth:`add_noise_to`) draws it once first."""
+        self._noise.draw_seed(self.generator)
 
     def add_noise(self) -> None:
         """Add N(0, (sigma·C)²) to every trainable parameter's gradient (once per logical batch)."""
@@ -519,20 +496,7 @@ class DPEngine:
 
     def add_noise_to(self, param: nn.Parameter) -> None:
         """Add this logical batch's N(0, (sigma·C)²) noise to ``param``'s gradient (made if absent)."""
-        std = self.noise_multiplier * self.max_grad_norm
-        if std == 0:
-            return
-        if self._noise_seed is None:
-            raise RuntimeError("draw_noise_seed() first: each logical batch's noise is seeded once")
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        if isinstance(param, FakeTensor):  # ``tbp estimate``: shapes only, perhaps of a device this machine lacks
-            noise = torch.randn(param.shape, device=param.device, dtype=torch.float32)
-        else:
-            stream = torch.Generator(device=param.device)
-            stream.manual_seed((self._noise_seed + self._noise_index[id(param)]) % 2**63)
-            noise = torch.randn(param.shape, generator=stream, device=param.device, dtype=torch.float32)
-        param.grad.add_(noise.to(param.grad.dtype), alpha=std)
+        self._noise.add(param, self.noise_multiplier * self.max_grad_norm)
 
     def _warn_masked(self, uses: list[RawUse]) -> None:
         slow = {use.op_name for use in uses if not use.rowwise}
@@ -637,13 +601,14 @@ class DPEngine:
         """Each recorded block again, forward and backward from its output gradient scaled by each
         sample's clipping coefficient: the layers inside receive ``c_i g_i`` and add their clipped sums."""
         self._phase = "sum"
+        self.completion.final_pass = True
         while self._replays:
             call = self._replays.pop(0)  # the last block first, as the backward met them
-            self._rerunning = True
+            self.completion.rerunning = True
             try:
                 outputs = call.rerun()
             finally:
-                self._rerunning = False
+                self.completion.rerunning = False
             weighted = {i: self._weighted(g, coef) for i, g in call.output_grads.items()}
             self._release(*call.output_grads.values())
             call.output_grads.clear()  # the unweighted gradients die here, unless something else holds them
@@ -732,47 +697,7 @@ class DPEngine:
     def _add_grad(self, param: nn.Parameter, grad: Tensor) -> None:
         grad = grad.to(param.dtype)
         param.grad = grad if param.grad is None else param.grad.add_(grad)
-        if self.gradient_complete is not None:
-            self._settle(param)
-
-    def mark_reads(self, params: tuple[nn.Parameter, ...], args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """``args`` and ``kwargs`` of an op that reads ``params``, with the tensors that pass a
-        gradient on through it marked (``ReadsDone``) when parameters may step inside the backward."""
-        if self.gradient_complete is None:
-            return args, kwargs
-        leaves = [
-            x
-            for x in tree_flatten((args, kwargs))[0]
-            if isinstance(x, Tensor) and not isinstance(x, TrackedTensor) and x.requires_grad
-        ]
-        if not leaves:
-            return args, kwargs
-        marked = dict(zip(map(id, leaves), ReadsDone.apply(self, params, *leaves), strict=True))
-        return tree_map(lambda x: marked.get(id(x), x) if isinstance(x, Tensor) else x, (args, kwargs))
-
-    def _reader_made(self, params: tuple[nn.Parameter, ...]) -> None:
-        if self._rerunning:  # a recorded block's new graph: its readers were in no survey
-            for param in params:
-                self._awaited[id(param)] = self._awaited.get(id(param), 0) + 1
-
-    def _read_done(self, params: tuple[nn.Parameter, ...]) -> None:
-        if self._phase in ("sum", "book"):  # the pass that leaves the gradients (not a probe, not the norms)
-            for param in params:
-                self._settle(param)
-
-    def _settle(self, param: nn.Parameter) -> None:
-        """One of what ``param``'s step waits for is in; with the last, it is complete."""
-        left = self._awaited.get(id(param), 0) - 1
-        if left < 0:
-            raise RuntimeError(
-                f"parameter {self.describe_param(param)} received a clipped contribution or a read after the graph "
-                "survey's last one: its optimizer step inside the backward would have come too early. Please report "
-                "this model"
-            )
-        self._awaited[id(param)] = left
-        if left == 0:
-            assert self.gradient_complete is not None
-            self.gradient_complete(param)
+        self.completion.contributed(param)
 
     def _hold(self, *tensors: Tensor) -> None:
         """Count bytes the engine keeps alive beyond plain autograd (for the memory report); a

@@ -90,11 +90,12 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused"])
+@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle"])
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
     """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
     reduced (DDP's communication hook, FSDP2's post-reduce-scatter hooks): the same weights, every
-    parameter stepped inside the backward on every rank."""
+    parameter stepped inside the backward on every rank. ``ddp_idle``: "auto" with the hook in
+    place and no need of the step: DDP's own reduction, nothing stepped inside."""
     out = tmp_path / scenario
     result = run_two_processes(scenario, out)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -112,6 +113,9 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
         for rank in range(WORLD):
             counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
             assert counts == {"stepped": trainable, "after": 0}, (rank, counts)
+    if scenario == "ddp_idle":
+        for rank in range(WORLD):
+            assert json.loads((out / f"stepped_rank{rank}.json").read_text()) == {"stepped": 0, "after": 0}
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())

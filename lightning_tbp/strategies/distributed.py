@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -106,7 +107,10 @@ def _reduce_then_step(stepper: OptimizerInBackward, bucket: dist.GradBucket) -> 
     hook forms it, then each of its parameters stepped on its reduced gradient (a view of the
     bucket). The reduction is waited for here, in the backward's thread (on CUDA the wait orders
     the current stream after it; the host goes on), so the step runs where the backward does,
-    never beside it in a communication thread."""
+    never beside it in a communication thread. While the stepper is idle (``"auto"`` before it
+    takes the step) this is DDP's own default hook, overlapped as usual."""
+    if not stepper.enabled:
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default process group
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size())
     dist.all_reduce(buffer)

@@ -9,6 +9,8 @@ Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless s
   ddp_fused, fsdp2_fused
                the same with the optimizer inside the backward; how many parameters each rank
                stepped inside its last backward and after it (stepped_rank{r}.json)
+  ddp_idle     the same under "auto" with DDP's buckets as gradients: the communication hook in
+               place, idle (the budget never needs the step inside the backward)
   dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
                the gradient the optimizer saw (dp.pt, indices_rank{r}.pt)
   dp_noise     one DP step with noise 1 and a loss whose gradient is 0: the gradient is the noise
@@ -112,6 +114,10 @@ if __name__ == "__main__":
 
         fused = {"ddp_fused": TinyBackpropDDPStrategy, "fsdp2_fused": TinyBackpropFSDP2Strategy}[scenario]
         strategy = fused(optimizer_in_backward=True)
+    if scenario == "ddp_idle":  # "auto" with its communication hook in place, never needing the step
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        strategy = TinyBackpropDDPStrategy(gradient_as_bucket_view=True)
     if scenario.startswith("dp"):
         from lightning_tbp import TinyBackpropDDPStrategy
 
@@ -122,7 +128,7 @@ if __name__ == "__main__":
         [MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=out / "memory")]
         if scenario == "ddp"
         else [StepCounts(out)]
-        if scenario.endswith("_fused")
+        if scenario.endswith(("_fused", "_idle"))
         else []
     )
     trainer = L.Trainer(

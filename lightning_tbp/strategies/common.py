@@ -282,9 +282,12 @@ class TinyBackpropMixin:
             )
         stepping = None
         if not blocked:
-            announced = self._reduction_kind() == "ddp"  # autograd's local sums are not final there
             stepping = StepInBackward(
-                trainer, self.optimizers[0], enabled=not automatic, private=self.privacy, hooks=not announced
+                trainer,
+                self.optimizers[0],
+                enabled=not automatic,
+                private=self.privacy,
+                hooks=self._gradients_final_when_accumulated,
             )
             self._announce_reduced_gradients(stepping.stepper)
         if not automatic:
@@ -297,6 +300,10 @@ class TinyBackpropMixin:
             blocked="; ".join(blocked) if blocked else None,
         )
         return stepping, alternative
+
+    #: Whether a gradient autograd accumulates into ``.grad`` is the one to step on (not so where a
+    #: reduction across devices follows it: the strategy then announces each parameter itself).
+    _gradients_final_when_accumulated = True
 
     def _reduction_kind(self) -> str | None:
         """How this strategy reduces gradients across devices: None on one device, else its kind

@@ -58,6 +58,7 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
     """
 
     strategy_name = "tiny_backprop_ddp"
+    _gradients_final_when_accumulated = False  # each rank's local sums, before DDP's all-reduce
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

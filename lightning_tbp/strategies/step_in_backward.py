@@ -122,11 +122,10 @@ class StepInBackward:
             self._private.engine.gradient_complete = None
 
 
-#: How the multi-device strategies hand each parameter's reduced gradient to its step.
-REDUCES_PER_BUCKET = {
-    "ddp": "DDP's communication hook steps each bucket's parameters once its all-reduce is done",
-    "fsdp2": "FSDP2 runs the hooks on each sharded parameter once its reduce-scatter is done",
-}
+#: The multi-device strategies that hand each parameter's reduced gradient to its step inside the
+#: backward: DDP through a communication hook per bucket, FSDP2 through the hooks it runs on each
+#: sharded parameter after its reduce-scatter.
+REDUCES_PER_BUCKET = frozenset({"ddp", "fsdp2"})
 
 
 def blockers(

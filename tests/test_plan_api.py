@@ -154,25 +154,6 @@ def test_budget_above_naive_plans_nothing() -> None:
     plan.remove()
 
 
-def test_modules_called_twice_are_not_wrapped() -> None:
-    """A block reused in one forward is left to its parent: one wrapper cannot plan two calls."""
-
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.shared = mlp_chain(depth=2)
-            self.other = mlp_chain(depth=2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.other(self.shared(self.shared(x)))
-
-    model = Twice()
-    plan = rematerialize(model, torch.randn(256, 64), memory_budget=0.97)
-    assert plan.current.options, "the block called once is planned"
-    assert all(path == "other" or path.startswith("other.") for path in plan.current.options)
-    plan.remove()
-
-
 def test_planning_does_not_shift_the_random_stream(monkeypatch) -> None:
     """Profiling and calibration fork the RNG, so a run's dropout and noise are unchanged; also
     the first plan of a process, which measures the option overheads (once per device type)."""

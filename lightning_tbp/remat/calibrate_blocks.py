@@ -68,11 +68,12 @@ class BlockInputs:
         self.paths: list[str] = []
         self.inputs: dict[str, tuple[tuple, dict]] = {}
 
-    def choose(self, trace: Trace, merged: set[str]) -> list[str]:
+    def choose(self, trace: Trace) -> list[str]:
         modules = dict(self.module.named_modules())
         by_class: dict[str, list[int]] = {}
         for node in trace.nodes[1:]:
-            if node.has_events and node.path in modules and not _inside(node.path, merged):
+            # a module called several times is timed at its first call (whose inputs ``capture`` keeps)
+            if node.has_events and node.call == 0 and node.path in modules:
                 by_class.setdefault(type(modules[node.path]).__name__, []).append(node.index)
         counts = Counter({name: len(nodes) for name, nodes in by_class.items()})
         self.paths = []
@@ -89,7 +90,7 @@ def calibrate(module: nn.Module, trace: Trace, block_inputs: BlockInputs, option
     """Time the blocks ``block_inputs`` chose and holds the inputs of, under ``options`` (see the
     module docstring)."""
     simulator = Simulator(trace)
-    node_of = {node.path: node.index for node in trace.nodes}
+    node_of = {node.key: node.index for node in trace.nodes}  # a path is the key of its module's first call
     timings: list[BlockTiming] = []
     for path in block_inputs.paths:
         if path not in block_inputs.inputs or path not in node_of:
@@ -111,10 +112,6 @@ def calibrate(module: nn.Module, trace: Trace, block_inputs: BlockInputs, option
         if ratios:
             scale[option] = min(max(statistics.median(ratios), SCALE_RANGE[0]), SCALE_RANGE[1])
     return Calibration(tuple(timings), scale)
-
-
-def _inside(path: str, paths: set[str]) -> bool:
-    return any(path == other or path.startswith(other + ".") for other in paths)
 
 
 def _cost(trace: Trace, node: int) -> float:
@@ -143,7 +140,10 @@ def _time_block(
     device = next((x.device for x in leaves), torch.device("cpu"))
 
     def step() -> None:
-        output = block(*block_args, **block_kwargs)
+        wrappers.begin_step()
+        # fresh containers each run: a block may write into those it is given (a video VAE's feature cache)
+        call_args, call_kwargs = tree_map(lambda x: x, (block_args, block_kwargs))
+        output = block(*call_args, **call_kwargs)
         outputs = [o for o in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]]
         loss = sum(o.float().square().mean() for o in outputs if isinstance(o, torch.Tensor) and o.requires_grad)
         assert isinstance(loss, torch.Tensor), "a block chosen for calibration has an output that needs a gradient"

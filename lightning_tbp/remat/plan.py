@@ -471,7 +471,7 @@ class Plan:
             # the loss, measured, joins the model; only an error it leaves beyond the planning
             # margin (which is there for the model's own errors) scales the budget
             profile.solver, profile.loss_measured = self._solver(profile.trace, loss, profile.alongside), True
-            options = [shape_plan.options.get(node.path, Option.KEEP) for node in profile.trace.nodes]
+            options = [shape_plan.options.get(node.key, Option.KEEP) for node in profile.trace.nodes]
             unexplained = ratio * shape_plan.predicted_peak_bytes / profile.solver.sim.run(options).peak_bytes
             correction = shape_plan.correction * (unexplained if unexplained > 1 / (1 - PLANNING_MARGIN) else 1.0)
         corrected = self._agreed(profile.signature, lambda: self._solve_profile(profile, correction=correction))

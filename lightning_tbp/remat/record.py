@@ -261,9 +261,8 @@ def _adapter_layer_types() -> tuple[type, ...]:
 class BlockInputCapture(Protocol):
     """Who wants some blocks' inputs from the profile's timed forward (``calibrate_blocks``)."""
 
-    def choose(self, trace: Trace, merged: set[str]) -> Collection[str]:
-        """Paths of the blocks, from ``trace`` with its ops timed; ``merged``: paths of modules
-        called more than once, which the trace will merge into their parents."""
+    def choose(self, trace: Trace) -> Collection[str]:
+        """Paths of the blocks, from ``trace`` with its ops timed."""
 
     def capture(self, path: str, args: tuple, kwargs: dict) -> None:
         """The arguments the block at ``path`` was called with (each call)."""
@@ -309,9 +308,12 @@ def record_trace(
     handles = []
 
     def enter(sub: nn.Module, sub_args: tuple, sub_kwargs: dict) -> None:
-        calls[id(sub)] = calls.get(id(sub), 0) + 1
+        call = calls.get(id(sub), 0)
+        calls[id(sub)] = call + 1
         parent = trace.nodes[node_stack[-1]]
-        node = Node(index=len(trace.nodes), path=candidates[sub], parent=parent.index, kind=type(sub).__name__)
+        node = Node(
+            index=len(trace.nodes), path=candidates[sub], parent=parent.index, call=call, kind=type(sub).__name__
+        )
         node.first_event = trace.num_events
         node.inputs = tuple(s for t in _tensors((sub_args, sub_kwargs)) if (s := recorder.sid_of(t)) is not None)
         trace.nodes.append(node)
@@ -402,11 +404,10 @@ def record_trace(
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns
         trace.event_backward_cost[event] = backward_ns
-    repeated = {candidates[m] for m in candidates if calls.get(id(m), 0) > 1}
     if measure:
         keep_inputs: dict[nn.Module, Callable[[tuple, dict], None]] = {}
         if block_inputs is not None:
-            wanted = set(block_inputs.choose(trace, repeated))
+            wanted = set(block_inputs.choose(trace))
             keep_inputs = {
                 sub: partial(block_inputs.capture, path) for sub, path in candidates.items() if path in wanted
             }
@@ -415,8 +416,6 @@ def record_trace(
     device = devices[0] if devices else torch.device("cpu")
     trace.overheads = step_overheads(device) if measure else StepOverheads()
     trace.checkpoint_state_bytes = torch.get_rng_state().numel() if device.type == "cpu" else 0
-    if repeated:
-        _drop_repeated(trace, repeated)
     root.first_event, root.last_event = 0, trace.num_events - 1
     trace.parameter_grad_bytes = sum(local_bytes(p) for p in module.parameters() if p.requires_grad)
     return trace
@@ -453,27 +452,3 @@ def _settle_notes(notes: list[LayerNote], measure: bool) -> None:
         kinds.setdefault(type(note), []).append(note)
     for kind, group in kinds.items():
         kind.settle(group, measure)
-
-
-def _drop_repeated(trace: Trace, repeated: set[str]) -> None:
-    """Merge nodes of modules called more than once into their parent.
-
-    A checkpoint wrapper applies to every call of a module, but the simulator (and the plan)
-    reason about one call; such modules are left to their parent, which is exact and only
-    coarser.
-    """
-    old_nodes = trace.nodes
-    keep = [n for n in old_nodes if not any(n.path == r or n.path.startswith(r + ".") for r in repeated)]
-    remap = {n.index: i for i, n in enumerate(keep)}
-
-    def surviving(index: int) -> int:
-        while index not in remap:
-            index = old_nodes[index].parent
-        return remap[index]
-
-    trace.event_node = [surviving(n) for n in trace.event_node]
-    parents = [surviving(n.parent) if n.parent >= 0 else -1 for n in keep]
-    for node, parent in zip(keep, parents, strict=True):
-        node.children = [remap[c] for c in node.children if c in remap]
-        node.index, node.parent = remap[node.index], parent
-    trace.nodes = keep

@@ -143,16 +143,16 @@ def solve_shape(
             # a budget is a promise: running unchanged above it would break it silently
             error = InfeasibleBudgetError(budget_bytes, naive.peak_bytes, naive.peak_bytes)
             error.add_note(
-                f"nothing to plan in {module_name}: it has no submodule with children of its own that runs once "
-                "per forward, so its step peaks where it does unplanned (a module called several times per "
-                "step is not planned yet)"
+                f"nothing to plan in {module_name}: it has no submodule with children of its own (leaf layers "
+                "such as a single Linear are not checkpointed), so its step peaks where it does unplanned. Plan "
+                "a module that holds it, or give a budget at or above the minimum"
             )
             explain(error)
             raise error
         warnings.warn(
-            f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own that "
-            "runs once per forward (leaf layers such as a single Linear are not checkpointed, since that saves "
-            "nothing); training runs unchanged",
+            f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own "
+            "(leaf layers such as a single Linear are not checkpointed, since that saves nothing); training runs "
+            "unchanged",
             NothingToPlanWarning,
             stacklevel=5,
         )
@@ -177,9 +177,9 @@ def solve_shape(
     return ShapePlan(
         signature=signature,
         batch_size=batch_size,
-        options={trace.nodes[i].path: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
+        options={trace.nodes[i].key: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP},
         cache_limits={
-            trace.nodes[i].path: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
+            trace.nodes[i].key: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
         },
         budget_bytes=budget_bytes,
         held=held,
@@ -271,7 +271,7 @@ def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], plann
         return "loss (after the module's forward, before its backward)"
     holdings = simulator.holdings_at(options, planned.peak_step)
     if holdings.region:
-        return f"recompute/backward of {trace.nodes[holdings.region].path}"
+        return f"recompute/backward of {trace.nodes[holdings.region].key}"
     where = "forward" if planned.peak_step < trace.num_events else "backward"
     return f"{where} (outside checkpointed blocks)"
 
@@ -291,7 +291,7 @@ def _block_table(trace: Trace, simulator: Simulator, options: list[Option], plan
         subtree = [n.index for n in trace.nodes if lo <= n.first_event and n.last_event <= hi]
         blocks.append(
             BlockDecision(
-                path=node.path,
+                path=node.key,
                 option=options[node.index],
                 level=level,
                 kept_bytes=sum(kept.get(i, 0) for i in subtree),

@@ -31,13 +31,34 @@ if TYPE_CHECKING:
     from lightning_tbp.remat.step import LayerNote
 
 
+#: Separates a module's path from its call number in a plan key (``call_key``).
+CALL_SEPARATOR = "#"
+
+
+def call_key(path: str, call: int) -> str:
+    """The plan's name for the ``call``-th call (from 0) of the module at ``path`` in one step.
+
+    A module called once per step is named by its path alone, as is the first call of one called
+    several times; later calls add their number (``unet#1``: the U-Net's second call), so every
+    call has a decision of its own and plans of modules called once read as before.
+    """
+    return path if call == 0 else f"{path}{CALL_SEPARATOR}{call}"
+
+
+def module_path(key: str) -> str:
+    """The module path in a plan key (``call_key``'s inverse, without the call)."""
+    return key.partition(CALL_SEPARATOR)[0]
+
+
 @dataclass
 class Node:
-    """One candidate block: a module called exactly once per forward."""
+    """One candidate block: one call of a module in the profiled forward (a module called several
+    times, as a U-Net in an unrolled sampling chain, is a node per call)."""
 
     index: int
     path: str
     parent: int  # index of the enclosing candidate node, -1 for the root
+    call: int = 0  # which call of the module at ``path`` this is, from 0, in the step
     kind: str = ""  # the module's class name (plans that checkpoint every block of a kind)
     first_event: int = -1
     last_event: int = -1
@@ -45,6 +66,11 @@ class Node:
     outputs: tuple[int, ...] = ()
     children: list[int] = field(default_factory=list)
     replayable: bool = True  # a recorder takes its full checkpoint, and no two outputs share memory (``replay.py``)
+
+    @property
+    def key(self) -> str:
+        """The plan's name for this call (``call_key``)."""
+        return call_key(self.path, self.call)
 
     @property
     def has_events(self) -> bool:
@@ -135,4 +161,4 @@ class Trace:
                 if producer > 0 and producer not in ancestors:
                     key = (producer, node.index)
                     edges[key] = edges.get(key, 0) + self.storage_bytes[sid]
-        return [(self.nodes[a].path, self.nodes[b].path, size) for (a, b), size in sorted(edges.items())]
+        return [(self.nodes[a].key, self.nodes[b].key, size) for (a, b), size in sorted(edges.items())]

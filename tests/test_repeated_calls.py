@@ -245,3 +245,96 @@ def test_a_video_vae_is_planned_through_its_temporal_chunks(where: str) -> None:
     budget = 0.75 if where == "three_quarters" else _lowest_budget(model, args)
     options = _plan_keeps_its_word(model, args, budget)
     assert any("#" in key for key in options), "a later chunk's call is planned"
+
+
+class _TokenBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class _SharedTwice(nn.Module):
+    """A token block applied twice between two of its own: its parameters have two uses per sample."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.first = _TokenBlock(width)
+        self.shared = _TokenBlock(width)
+        self.head = nn.Linear(width, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.shared(self.shared(self.first(x))))
+
+
+def _per_sample_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    return (model(batch["x"]) - batch["y"]).square().mean(dim=(1, 2))
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_block_called_twice_under_dp_is_clipped_exactly_with_each_call_planned(mode: str) -> None:
+    """A parameter used by both calls gets the sum of its two uses per sample before the norm
+    (vmap's per-sample gradient of the whole step); with both calls checkpointed in full,
+    bookkeeping replays each call on its own after the backward, and the sums stay exact."""
+    from dp_reference import clipped_at_median, per_sample_grads
+
+    from lightning_tbp.privacy import attach
+
+    torch.manual_seed(0)
+    model = _SharedTwice()
+    data = {"x": torch.randn(6, 8, 16), "y": torch.randn(6, 8, 2)}
+    expected, norms, threshold = clipped_at_median(per_sample_grads(model, _per_sample_loss, data))
+    planned = {"shared": Option.FULL, "shared#1": Option.FULL}
+    wrappers = InstalledWrappers(model, planned, {})
+    wrappers.ensure(planned)
+    engine = attach(model, mode=mode, max_grad_norm=threshold, noise_multiplier=0.0)
+    try:
+        for _ in range(2):  # the first step probes sample independence
+            model.zero_grad(set_to_none=True)
+            engine.backward(_per_sample_loss(model, data))
+            torch.testing.assert_close(engine.per_sample_norms, norms, rtol=1e-5, atol=0)
+            scale = max(float(g.abs().max()) for g in expected.values())
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad, expected[name], rtol=1e-5, atol=1e-5 * scale, msg=name)
+    finally:
+        engine.detach()
+        wrappers.remove()
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_dp_step_with_a_block_called_twice_keeps_its_plans_budget(mode: str) -> None:
+    from lightning_tbp.privacy import attach
+
+    torch.manual_seed(0)
+    model = _SharedTwice(width=32)
+    data = {"x": torch.randn(16, 64, 32), "y": torch.randn(16, 64, 2)}
+    engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+
+    def step() -> None:
+        engine.probe_next_step()  # every measured step probes, as the first one does
+        engine.backward(_per_sample_loss(model, data))
+
+    plan = None
+    try:
+        plan = rematerialize(model, data["x"], memory_budget=0.6)
+        shape_plan = plan.current
+        step()
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        measured = measure_peak(step).peak_bytes
+    finally:
+        if plan is not None:
+            plan.remove()
+        engine.detach()
+    decided = {key: option.name for key, option in shape_plan.options.items()}
+    assert any(key.startswith("shared") for key in decided), decided
+    assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes, decided)
+    assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE, (
+        measured,
+        shape_plan.predicted_peak_bytes,
+        decided,
+    )

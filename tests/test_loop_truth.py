@@ -390,3 +390,21 @@ def test_low_bit_optimizer_state_is_counted_as_it_is_and_a_budget_adamw_cannot_m
     with pytest.raises(InfeasibleBudgetError, match="below the minimum feasible budget"):
         run("adamw", budget)
     _assert_the_promise_holds(run("adamw8bit", budget))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("grad_steps", [4, 2])
+def test_a_reward_fine_tune_through_the_sampling_chain_holds_its_promise(grad_steps: int) -> None:
+    """LoRA reward fine-tuning through four DDIM steps of one U-Net (DRaFT-K; K = 2: the first
+    two steps without gradients): each call of the U-Net is planned on its own."""
+    from lightning_tbp.diffusion.reward import ConvReward, NoiseBatches, RewardFineTuneModule
+
+    torch.manual_seed(0)
+    module = RewardFineTuneModule(
+        ConvReward(channels=1), model_config=MAIN_JOB_UNET, sampling_steps=4, grad_steps=grad_steps, lora_rank=4
+    )
+    loader = DataLoader(NoiseBatches(16, module.sample_shape(1)[1:]), batch_size=4)
+    strategy = TinyBackpropStrategy(memory_budget=0.5, target="chain")
+    run = _fit(module, loader, strategy, max_steps=4)
+    _assert_the_promise_holds(run)
+    assert any("#" in key for key in run["plan"].options), "a later call of the U-Net is planned"

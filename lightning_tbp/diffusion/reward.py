@@ -38,9 +38,10 @@ class DenoisingChain(nn.Module):
         super().__init__()
         if not 1 <= grad_steps <= steps:
             raise ValueError(f"grad_steps must be between 1 and sampling_steps ({steps}), got {grad_steps}")
-        self.denoiser, self.family, self.scheduler = denoiser, fam, scheduler
+        self.denoiser, self.family = denoiser, fam
+        self.scheduler: Any = scheduler  # diffusers' scheduler API is untyped (ConfigMixin)
         self.grad_steps = grad_steps
-        scheduler.set_timesteps(steps)
+        self.scheduler.set_timesteps(steps)
 
     @override
     def forward(self, noise: torch.Tensor, conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -138,13 +139,17 @@ class RewardFineTuneModule(L.LightningModule):
         self.family = family_spec(family)
         denoiser = build_model(family, model_config, pretrained)
         if lora_rank is not None:
-            targets = {"target_modules": tuple(lora_target_modules)} if lora_target_modules else {}
-            add_lora(denoiser, LoraOptions(lora_rank, lora_alpha, **targets))
+            lora = LoraOptions(lora_rank, lora_alpha)
+            if lora_target_modules:
+                lora = LoraOptions(lora_rank, lora_alpha, target_modules=tuple(lora_target_modules))
+            add_lora(denoiser, lora)
         scheduler = DDIMScheduler(
             num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
         )
         self.chain = DenoisingChain(denoiser, self.family, scheduler, sampling_steps, grad_steps or sampling_steps)
         self.reward_model = reward_model.requires_grad_(False)
+        self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
+        self.export_dir, self.trains_adapters = export_dir, lora_rank is not None
 
     @property
     def denoiser(self) -> nn.Module:
@@ -169,13 +174,13 @@ class RewardFineTuneModule(L.LightningModule):
     @override
     def configure_optimizers(self) -> Any:
         trainable = [p for p in self.denoiser.parameters() if p.requires_grad]
-        return make_optimizer(self.hparams.optimizer, trainable, self.hparams.lr, self.hparams.weight_decay)
+        return make_optimizer(self.optimizer_name, trainable, self.lr, self.weight_decay)
 
     @override
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir is not None and self.trainer.is_global_zero:
-            directory = Path(self.hparams.export_dir)
-            if self.hparams.lora_rank is not None:
+        if self.export_dir is not None and self.trainer.is_global_zero:
+            directory = Path(self.export_dir)
+            if self.trains_adapters:
                 save_lora(self.denoiser, directory)
             else:
                 cast(Any, self.denoiser).save_pretrained(directory / self.family.pipeline_subfolder)

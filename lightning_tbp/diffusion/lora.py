@@ -45,6 +45,15 @@ class LoraOptions:
             raise ValueError("lora_target_modules must name at least one module")
 
 
+def lora_options(
+    rank: int, alpha: float | None = None, target_modules: list[str] | None = None, dropout: float = 0.0
+) -> LoraOptions:
+    """The options a module's ``lora_*`` arguments name (no targets: the attention projections)."""
+    if target_modules:
+        return LoraOptions(rank, alpha, tuple(target_modules), dropout)
+    return LoraOptions(rank, alpha, dropout=dropout)
+
+
 def add_lora(model: nn.Module, options: LoraOptions) -> int:
     """Freeze ``model`` and inject trainable LoRA adapters; returns the number of adapter parameters."""
     from peft import LoraConfig, inject_adapter_in_model

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
-from lightning_tbp.diffusion.lora import LoraOptions, add_lora, save_lora
+from lightning_tbp.diffusion.lora import LoraOptions, add_lora, lora_options, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.quantized_base import BaseQuantization, quantize_base
@@ -112,8 +112,7 @@ class DiffusionModule(L.LightningModule):
                 )
             rank_zero_info(f"DiffusionModule: {quantize_base(self.model, base_quantization).describe()}")
         if lora_rank is not None:
-            targets = {"target_modules": tuple(lora_target_modules)} if lora_target_modules else {}
-            self.lora = LoraOptions(lora_rank, lora_alpha, dropout=lora_dropout, **targets)
+            self.lora = lora_options(lora_rank, lora_alpha, lora_target_modules, lora_dropout)
             adapters = add_lora(self.model, self.lora)
             rank_zero_info(
                 f"DiffusionModule: LoRA rank {lora_rank} on {', '.join(self.lora.target_modules)}: {adapters:,} "

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
-from lightning_tbp.diffusion.lora import LoraOptions, add_lora, save_lora
+from lightning_tbp.diffusion.lora import add_lora, lora_options, save_lora
 from lightning_tbp.diffusion.models import Family, build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
@@ -139,10 +139,7 @@ class RewardFineTuneModule(L.LightningModule):
         self.family = family_spec(family)
         denoiser = build_model(family, model_config, pretrained)
         if lora_rank is not None:
-            lora = LoraOptions(lora_rank, lora_alpha)
-            if lora_target_modules:
-                lora = LoraOptions(lora_rank, lora_alpha, target_modules=tuple(lora_target_modules))
-            add_lora(denoiser, lora)
+            add_lora(denoiser, lora_options(lora_rank, lora_alpha, lora_target_modules))
         scheduler = DDIMScheduler(
             num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
         )

@@ -54,7 +54,8 @@ def _peak(model: nn.Module, step: Any) -> int:
     return measure_peak(step).peak_bytes
 
 
-def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int) -> dict[str, Any]:
+def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int, lowest: int | None = None) -> dict[str, Any]:
+    """One K's row; ``lowest``: its lowest budget if already known (else searched here)."""
     torch.manual_seed(0)
     model = Unrolled(UNet2DModel(**REFERENCE_UNET, sample_size=32), calls)
     x, t = torch.randn(batch, 3, 32, 32), torch.full((batch,), 900)
@@ -69,11 +70,12 @@ def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int) -> di
     def unplanned_step() -> None:
         unplanned(x, t).square().mean().backward()
 
-    row: dict[str, Any] = {"calls": calls, "naive_peak_bytes": naive}
-    try:
-        rematerialize(model, x, t, memory_budget=1)
-    except InfeasibleBudgetError as error:
-        row["lowest_budget_bytes"] = error.minimum_budget_bytes
+    row: dict[str, Any] = {"calls": calls, "naive_peak_bytes": naive, "lowest_budget_bytes": lowest}
+    if lowest is None:
+        try:
+            rematerialize(model, x, t, memory_budget=1)
+        except InfeasibleBudgetError as error:
+            row["lowest_budget_bytes"] = error.minimum_budget_bytes
     if budget_bytes is None:
         return row
     start = time.perf_counter()
@@ -141,10 +143,12 @@ def main() -> None:
     args = parser.parse_args()
     # the smallest budget every K meets (the largest K's lowest), or one unplanned call's peak if higher
     one_call = measure(1, args.batch, None, args.rounds)["naive_peak_bytes"]
-    budget = max(one_call, measure(max(args.calls), args.batch, None, args.rounds)["lowest_budget_bytes"])
+    longest = max(args.calls)
+    longest_lowest = measure(longest, args.batch, None, args.rounds)["lowest_budget_bytes"]
+    budget = max(one_call, longest_lowest)
     rows = []
-    for calls in args.calls:
-        row = measure(calls, args.batch, budget, args.rounds)
+    for calls in args.calls:  # the longest chain's lowest budget is not searched twice
+        row = measure(calls, args.batch, budget, args.rounds, longest_lowest if calls == longest else None)
         print(row, flush=True)
         rows.append(row)
     result = {"machine": machine_info(), "batch": args.batch, "budget_bytes": budget, "rows": rows}

@@ -51,7 +51,7 @@ def _predicted_and_measured(model, x: torch.Tensor, planned: dict, step) -> tupl
     from lightning_tbp.remat.step import step_model_for
 
     trace = record_trace(model, (x,), {})
-    options = [planned.get(node.path, Option.KEEP) for node in trace.nodes]
+    options = [planned.get(node.key, Option.KEEP) for node in trace.nodes]
     predicted = Simulator(trace, step_model_for(model), assumed_loss_bytes(trace.output_specs)).run(options).peak_bytes
     wrappers = InstalledWrappers(model, planned, {})
     wrappers.ensure(planned)

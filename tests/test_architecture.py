@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_tbp.remat.ops import GradientHandOff, traits_of
-from lightning_tbp.remat.options import Option, checkpoint_context, enclosing_lazy_block, next_options
+from lightning_tbp.remat.options import Option, checkpoint_context, enclosing_block, next_options
 
 aten = torch.ops.aten
 PACKAGE = Path(__file__).resolve().parents[1] / "lightning_tbp"
@@ -89,7 +89,7 @@ def test_options_nest_by_one_set_of_rules() -> None:
     assert checkpoint_context(parents, 3, 0, options) == 1  # the outermost checkpoint inside the region
     assert checkpoint_context(parents, 3, 1, options) == 3  # inside the stage's recompute
     assert checkpoint_context(parents, 2, 1, options) == -1
-    assert enclosing_lazy_block(parents, 2, [Option.KEEP, Option.LAZY, Option.KEEP, Option.KEEP]) == 1
+    assert enclosing_block(parents, 2, [Option.KEEP, Option.LAZY, Option.KEEP, Option.KEEP], Option.LAZY) == 1
     assert next_options(Option.KEEP, checkpointed_above=False, plain_below=True) == (
         Option.FULL,
         Option.SELECTIVE,

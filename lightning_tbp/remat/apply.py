@@ -1,4 +1,5 @@
-"""Execute a plan: wrap planned blocks in non-reentrant ``torch.utils.checkpoint``.
+"""Execute a plan: wrap planned blocks in non-reentrant ``torch.utils.checkpoint`` (or run them
+lazily, ``lazy.py``, or with their saves offloaded to host memory, ``host_tier.py``).
 
 Each planned module gets an instance-level ``forward`` that calls the class ``forward`` under a
 checkpoint; deleting that attribute restores the module exactly (its parameters, buffers,
@@ -28,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.hooks import RemovableHandle
 
 from lightning_tbp.compat import OpOverload, tree_flatten, tree_unflatten
+from lightning_tbp.remat.host_tier import Resident, offloaded_saves
 from lightning_tbp.remat.lazy import lazy_recompute
 from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.options import Option
@@ -85,6 +87,7 @@ def _checkpointed_forward(
     options: Mapping[str, Option],
     cache_limits: Mapping[str, int],
     counts: CallCounts,
+    resident: Resident,
     path: str,
 ) -> Callable[..., Any]:
     original = type(module).forward.__get__(module)
@@ -97,6 +100,9 @@ def _checkpointed_forward(
             return original(*args, **kwargs)
         if option == Option.LAZY:  # recomputes ops, never a module call: the counts need no care
             with lazy_recompute(), inside_planned_block():
+                return original(*args, **kwargs)
+        if option == Option.OFFLOAD:  # no recompute either
+            with offloaded_saves(resident), inside_planned_block():
                 return original(*args, **kwargs)
         extra: dict[str, Any] = {}
         if option == Option.SELECTIVE:
@@ -168,23 +174,31 @@ class InstalledWrappers:
         self.options = options
         self.cache_limits = cache_limits
         self.counts = CallCounts()
+        self.resident = Resident()  # what offloaded blocks leave on the device (``host_tier.py``)
         self._wrapped: dict[str, nn.Module] = {}
         self._root_hook: RemovableHandle | None = None
 
-    def begin_step(self) -> None:
-        """A step's forward starts: its calls are counted from the first again (each call of the
-        root does this; a caller that runs a wrapped block alone calls it itself)."""
+    def begin_step(self, inputs: Iterable[torch.Tensor] = ()) -> None:
+        """A step's forward starts: its calls are counted from the first again, and, if the plan
+        offloads, what the step did not make (parameters, buffers, the call's ``inputs``) is noted
+        to stay on the device. Each call of the root does this; a caller that runs a wrapped
+        block alone calls it itself."""
         self.counts.begin_step()
+        if Option.OFFLOAD in self.options.values():
+            self.resident.reset([*self.root.parameters(), *self.root.buffers(), *inputs])
 
     def ensure(self, keys: Iterable[str]) -> None:
         missing = {module_path(k) for k in keys} - self._wrapped.keys()
         if not missing:
             return
         if self._root_hook is None:
-            self._root_hook = self.root.register_forward_pre_hook(lambda *_: self.begin_step())
+            self._root_hook = self.root.register_forward_pre_hook(self._before_root, with_kwargs=True)
         modules = dict(self.root.named_modules())
         for path in missing:
             self._wrap(modules[path], path)
+
+    def _before_root(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.begin_step(leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor))
 
     def _wrap(self, module: nn.Module, path: str) -> None:
         if "forward" in module.__dict__:
@@ -192,7 +206,9 @@ class InstalledWrappers:
                 f"module {path!r} already has an instance-level forward (another wrapper?); "
                 "lightning_tbp wraps modules by setting one and cannot stack on top of it"
             )
-        module.forward = _checkpointed_forward(module, self.options, self.cache_limits, self.counts, path)
+        module.forward = _checkpointed_forward(
+            module, self.options, self.cache_limits, self.counts, self.resident, path
+        )
         self._wrapped[path] = module
 
     def remove(self) -> None:

@@ -8,6 +8,7 @@ range (``subtree_end``). The byte estimates only rank moves; the simulator decid
 
 from __future__ import annotations
 
+from lightning_tbp.remat.host_tier import offloaded
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.simulated_step import Holdings
 from lightning_tbp.remat.trace import Trace
@@ -25,6 +26,7 @@ class BlockTree:
         self.heavy_outputs: list[list[int]] = [[] for _ in range(n)]
         self.event_count = [0] * n
         self.save_count = [0] * n
+        self.offload_bytes = [0] * n  # what an offload of the block copies to the host and back
         for node in self.nodes:
             if not node.has_events:
                 continue
@@ -33,6 +35,9 @@ class BlockTree:
             self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_traits[e].heavy)
             self.event_count[node.index] = len(events)
             self.save_count[node.index] = sum(len(trace.event_saves[e]) for e in events)
+            self.offload_bytes[node.index] = sum(
+                trace.storage_bytes[s] for e in events for s in trace.event_saves[e] if offloaded(trace, s)
+            )
             self.heavy_outputs[node.index] = [
                 s for e in events if trace.event_traits[e].heavy for s in trace.event_outputs[e]
             ]
@@ -60,6 +65,9 @@ class BlockTree:
             cost = self.cheap_cost[index] + checkpoint + dispatched
         elif option == Option.LAZY:
             cost = self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
+        elif option == Option.OFFLOAD:
+            hooks = self.save_count[index] * overheads.checkpoint_save_ns  # each save packed and unpacked in Python
+            cost = self.offload_bytes[index] * overheads.offload_ns_per_byte + hooks
         else:
             return 0.0
         return cost * self.trace.option_scale.get(option, 1.0)

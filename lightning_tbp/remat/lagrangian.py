@@ -32,7 +32,7 @@ def singleton_prices(tree: BlockTree, holdings: Holdings, options: Sequence[Opti
             continue
         full = freed_full[node.index] - tree.kept_inputs(node.index, holdings, lca)
         selective = full - tree.cache_bytes(node.index, holdings, lca)
-        freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective}
+        freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective, Option.OFFLOAD: full}
         for option in options:
             prices[node.index, option] = (tree.cost_of(node.index, option), freed[option])
     return prices

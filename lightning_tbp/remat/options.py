@@ -17,14 +17,19 @@ class Option(IntEnum):
     """Keep inputs and heavy-op outputs, recompute the cheap ops (norms, activations, adds)."""
     LAZY = 3
     """No checkpoint: saved outputs of cheap ops become recipes rebuilt on demand (``lazy.py``)."""
+    OFFLOAD = 4
+    """No checkpoint: saved activations go to host memory and come back op by op (``host_tier.py``)."""
 
 
 #: Options that run the block under ``torch.utils.checkpoint``.
 CHECKPOINTS = (Option.FULL, Option.SELECTIVE)
 #: Options that keep a block's subtree plain and must not sit under a checkpoint: torch keeps a
-#: selective region's cache alive for the whole enclosing checkpoint, and a lazy block's recipes
-#: would be recorded again by every recompute.
-SOFT = (Option.SELECTIVE, Option.LAZY)
+#: selective region's cache alive for the whole enclosing checkpoint, a lazy block's recipes
+#: would be recorded again by every recompute, and an offloaded block's saves would be copied
+#: out by the forward and again by every recompute (whose saves the checkpoint holds anyway).
+SOFT = (Option.SELECTIVE, Option.LAZY, Option.OFFLOAD)
+#: Soft options that keep some of the block's tensors on the device (heavy-op outputs, recipe leaves).
+KEEPS_SOME = (Option.SELECTIVE, Option.LAZY)
 
 
 def checkpoint_context(parents: Sequence[int], node: int, region: int, options: Sequence[Option]) -> int:
@@ -38,10 +43,11 @@ def checkpoint_context(parents: Sequence[int], node: int, region: int, options: 
     return found
 
 
-def enclosing_lazy_block(parents: Sequence[int], node: int, options: Sequence[Option]) -> int:
-    """The lazy block enclosing ``node`` (or ``node`` itself), or -1."""
+def enclosing_block(parents: Sequence[int], node: int, options: Sequence[Option], option: Option) -> int:
+    """The block enclosing ``node`` (or ``node`` itself) whose option is ``option``, or -1 (soft
+    options do not nest, so there is at most one of a soft option)."""
     while node > 0:
-        if options[node] == Option.LAZY:
+        if options[node] == option:
             return node
         node = parents[node]
     return -1
@@ -52,12 +58,12 @@ def next_options(current: Option, *, checkpointed_above: bool, plain_below: bool
     the block's recompute lighter. Soft options need a plain subtree and no checkpoint above."""
     soft_allowed = not checkpointed_above and plain_below
     if current == Option.KEEP:
-        return (Option.FULL, Option.SELECTIVE, Option.LAZY) if soft_allowed else (Option.FULL,)
+        return (Option.FULL, *SOFT) if soft_allowed else (Option.FULL,)
     if current == Option.SELECTIVE:
-        return (Option.FULL, Option.LAZY)  # lazy: no block-wide recompute
-    if current == Option.LAZY:
+        return (Option.FULL, Option.LAZY, Option.OFFLOAD)  # no block-wide recompute
+    if current in (Option.LAZY, Option.OFFLOAD):
         return (Option.FULL,)
-    return (Option.LAZY,) if soft_allowed else ()  # a full block whose recompute is the peak
+    return (Option.LAZY, Option.OFFLOAD) if soft_allowed else ()  # a full block whose recompute is the peak
 
 
 def clears_soft_below(option: Option) -> bool:

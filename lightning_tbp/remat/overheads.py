@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from lightning_tbp.remat.host_tier import host_buffer
 from lightning_tbp.remat.lazy import lazy_recompute
 
 
@@ -39,6 +40,8 @@ class StepOverheads:
     """Per op run inside a lazy block (its recipe recorded; a saved one rebuilt in Python)."""
     selective_op_ns: float = 0.0
     """Per op run inside a selective block, in its forward and again in its recomputation."""
+    offload_ns_per_byte: float = 0.0
+    """Per byte an offloaded block copies to the host tier and back (``host_tier.py``)."""
 
 
 _CHAIN = 40  # ops per chain: sigmoid (saves its result) then a scale, alternating
@@ -98,7 +101,23 @@ def _measure(device: torch.device) -> StepOverheads:
     per_save = max(0.0, times["checkpoint_chain"] - times["plain_chain"] - recompute - call) / saves
     lazy = max(0.0, times["lazy_chain"] - times["plain_chain"]) / _CHAIN
     selective_ops = max(0.0, times["selective_chain"] - times["checkpoint_chain"]) / (2 * _CHAIN)
-    return StepOverheads(call, per_save, lazy, selective_ops)
+    return StepOverheads(call, per_save, lazy, selective_ops, _offload_ns_per_byte(device))
+
+
+_PROBE_BYTES = 4 * 2**20
+
+
+def _offload_ns_per_byte(device: torch.device) -> float:
+    """Nanoseconds per byte of a copy to the host tier and back (not overlapped with compute)."""
+    source = torch.ones(_PROBE_BYTES, dtype=torch.uint8, device=device)
+    host = host_buffer(_PROBE_BYTES, device)
+    back = torch.empty_like(source)
+
+    def round_trip() -> None:
+        host.copy_(source)
+        back.copy_(host)
+
+    return _interleaved({"round_trip": round_trip}, device)["round_trip"] / _PROBE_BYTES
 
 
 def _no_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:

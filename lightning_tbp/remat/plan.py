@@ -37,6 +37,7 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
+from lightning_tbp.remat.host_tier import HostTier
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.pricing import price_by_flops, pricing_by_flops
@@ -55,6 +56,7 @@ from lightning_tbp.remat.solve import PLANNING_MARGIN, InfeasibleBudgetError, So
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
     PLAIN_LOOP,
+    PLAIN_STEP,
     Alongside,
     LoopAlternative,
     LoopModel,
@@ -106,6 +108,7 @@ class Plan:
         loop: LoopModel = PLAIN_LOOP,
         alternative: LoopAlternative | None = None,
         alongside: Callable[[tuple, dict], Alongside] | None = None,
+        host_tier: HostTier = "off",
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -129,7 +132,14 @@ class Plan:
         ``alongside``: what the training loop keeps on the device beside the step (the batch,
         what ``training_step`` made before the call), asked with the call's arguments, before
         anything else, whenever a new signature is planned; counted in every prediction (and
-        added to what the plan's own meter, which starts at the forward, reads). None: nothing."""
+        added to what the plan's own meter, which starts at the forward, reads). None: nothing.
+        ``host_tier``: ``"on"`` lets plans offload blocks' saved activations to host memory
+        (``host_tier.py``), chosen per block by predicted time like recomputation; ``"off"`` keeps
+        every byte on the device. Not with a step whose graph is backpropagated more than once
+        or a DP engine (their saves are read outside autograd's hooks)."""
+        if host_tier not in ("off", "on"):
+            raise ValueError(f"host_tier must be 'off' or 'on', got {host_tier!r}")
+        self.host_tier = host_tier
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
@@ -245,6 +255,8 @@ class Plan:
             self.plan_for(args, kwargs)
         finally:
             self._inside_call = False
+        # the wrappers' own hook on this module was not yet there if this call installed them
+        self._wrappers.begin_step(leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor))
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._planning:
@@ -256,8 +268,16 @@ class Plan:
 
     def _solver(self, trace: Trace, loss_bytes: int, alongside: Alongside, loop: LoopModel | None = None) -> Solver:
         loop = self.loop if loop is None else loop
-        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside)
-        return Solver(simulator, selective=self._selective())
+        step = step_model_for(self.module)
+        offload = self.host_tier == "on"
+        if offload and (step is not PLAIN_STEP or self.backward_passes > 1):
+            raise ValueError(
+                f"host_tier='on' cannot plan {type(self.module).__name__} here: its step is "
+                f"{step.name!r} with {max(self.backward_passes, step.backward_passes)} backward pass(es), and the "
+                "host tier offloads saves for a plain single backward only; pass host_tier='off'"
+            )
+        simulator = Simulator(trace, step, loss_bytes, loop, alongside)
+        return Solver(simulator, selective=self._selective(), offload=offload)
 
     def set_loop(self, loop: LoopModel) -> None:
         """Plan for another training loop from now on: every shape planned so far is solved
@@ -558,17 +578,21 @@ def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
 
 
 def rematerialize(
-    module: nn.Module, *example_args: Any, memory_budget: BudgetSpec = "auto", **example_kwargs: Any
+    module: nn.Module,
+    *example_args: Any,
+    memory_budget: BudgetSpec = "auto",
+    host_tier: HostTier = "off",
+    **example_kwargs: Any,
 ) -> Plan:
     """Install a rematerialization plan on ``module`` in place and return it.
 
     ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is
     made now, and a call with other shapes later gets its own plan (cached per signature).
-    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`. Raises
+    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier``: see :class:`Plan`. Raises
     :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits.
     Check it on a real step with :meth:`Plan.verify`.
     """
-    plan = Plan(module, memory_budget)
+    plan = Plan(module, memory_budget, host_tier=host_tier)
     try:
         with torch.enable_grad():
             plan.plan_for(example_args, example_kwargs)

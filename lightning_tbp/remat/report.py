@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any
 
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.shape_plan import ShapePlan, describe_held, describe_loss
 from lightning_tbp.remat.step import PLAIN_LOOP
 from lightning_tbp.remat.verify import describe_step_time
@@ -44,6 +45,12 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         else "the loss computed from the module's outputs is not counted until a metered step measures it",
     ]
     lines += [f"taken besides recomputation: {action}" for action in sp.actions]
+    offloaded = sum(1 for b in sp.blocks if b.option == Option.OFFLOAD)
+    if offloaded:
+        lines.append(
+            f"host tier: {offloaded} block(s) offload their saved activations to host memory, at most "
+            f"{format_bytes(sp.planned.host_peak_bytes)} there at once; copies are charged in the time estimate"
+        )
     if sp.correction > 1:
         lines.append(
             f"re-planned: an earlier plan for this shape measured {sp.correction:.3f}x its prediction, so this one "
@@ -88,6 +95,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
             "predicted_peak_bytes_by_case": {case.value: peak for case, peak in sp.planned.case_peaks.items()},
             "alongside_bytes": dataclasses.asdict(sp.alongside),
         },
+        "host_peak_bytes": sp.planned.host_peak_bytes,
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,

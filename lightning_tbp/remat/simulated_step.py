@@ -41,7 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
-from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_lazy_block
+from lightning_tbp.remat.host_tier import offloaded
+from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
     PLAIN_LOOP,
@@ -66,6 +67,8 @@ class SimResult:
     peak_in_optimizer_step: bool = False  # the peak is the optimizer's step (``LoopModel``)
     case_peaks: dict[PriorGradients, int] = field(default_factory=dict)
     """The peak of the step in each case of the loop (``LoopModel.gradients``)."""
+    host_peak_bytes: int = 0
+    """The most bytes offloaded blocks keep on the host tier at once (``host_tier.py``)."""
 
 
 @dataclass
@@ -170,6 +173,9 @@ class SimulatedStep:
         self.recompute_counts: dict[int, int] = {}
         self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
         self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
+        self.offload_blocks: dict[int, int] = {}  # node -> enclosing offloaded block, for this plan
+        self.offloaded: dict[int, int] = {}  # event -> bytes of its saves on the host tier
+        self.host = self.host_peak = 0  # bytes on the host tier now, and at most
         # A checkpoint inside another stashes the RNG state whenever the enclosing forward or a
         # recompute calls it (a CPU tensor its frame keeps): ``restash``.
         self.nested_starts: dict[int, list[int]] = {}  # event -> nested checkpoints starting there
@@ -246,6 +252,7 @@ class SimulatedStep:
             peak_in_loss=self.peak_step in self.loss_steps,
             peak_in_optimizer_step=self.peak_step == self.optimizer_step,
             case_peaks={PriorGradients.RELEASED: self.peak} if self.plain_loop else dict(self.case_peaks),
+            host_peak_bytes=self.host_peak,
         )
 
     # -- the ledger -----------------------------------------------------------------------------
@@ -336,11 +343,31 @@ class SimulatedStep:
             self.mem -= self.storage_sizes[sid]
 
     def lazy_block(self, node: int) -> int:
-        """``options.enclosing_lazy_block`` under this step's plan, memoised per node."""
+        """The lazy block enclosing ``node`` under this step's plan (``options.enclosing_block``), memoised."""
         found = self.lazy_blocks.get(node)
         if found is None:
-            found = self.lazy_blocks[node] = enclosing_lazy_block(self.facts.parent, node, self.options)
+            found = self.lazy_blocks[node] = enclosing_block(self.facts.parent, node, self.options, Option.LAZY)
         return found
+
+    def offload_block(self, node: int) -> int:
+        """The offloaded block enclosing ``node`` under this step's plan, memoised."""
+        found = self.offload_blocks.get(node)
+        if found is None:
+            found = self.offload_blocks[node] = enclosing_block(self.facts.parent, node, self.options, Option.OFFLOAD)
+        return found
+
+    def offload(self, event: int) -> list[int]:
+        """An offloaded block's op saves: what goes to the host is copied there (its device
+        storage is left to its Python references), the rest is held. Returns what is held."""
+        saves = self.trace.event_saves[event]
+        copied = sum(self.facts.sizes[sid] for sid in saves if offloaded(self.trace, sid))
+        if copied:
+            self.offloaded[event] = self.offloaded.get(event, 0) + copied
+            self.host += copied
+            self.host_peak = max(self.host_peak, self.host)
+        overheads = self.trace.overheads
+        self.charge(Option.OFFLOAD, copied * overheads.offload_ns_per_byte + len(saves) * overheads.checkpoint_save_ns)
+        return self.hold([sid for sid in saves if not offloaded(self.trace, sid)])
 
     def context(self, node: int, region: int) -> int:
         """``options.checkpoint_context`` under this plan, memoised: every event asks it, often more than once."""
@@ -378,7 +405,7 @@ class SimulatedStep:
         recompute_scale = scale.get(options[region], 1.0)
         idle = facts.recompute_idle if recompute else facts.forward_idle
         top, dead_release_at = region == 0 and not recompute, facts.dead_release_at
-        node = ctx = lazy = -1
+        node = ctx = lazy = off = -1
         per_op_ns = save_scale = 0.0
         caching = False
         stashes_ending = 0  # RNG stashes that go as this recompute returns (``restash``)
@@ -387,6 +414,7 @@ class SimulatedStep:
                 node = event_node[event]
                 ctx = self.context(node, region)
                 lazy = self.lazy_block(node) if ctx < 0 and not recompute else -1
+                off = self.offload_block(node) if ctx < 0 and not recompute else -1
                 caching = ctx >= 0 and options[ctx] == Option.SELECTIVE
                 # each op through torch's caching dispatch mode, or recorded (and rebuilt) as a recipe
                 per_op_ns = 0.0
@@ -428,6 +456,8 @@ class SimulatedStep:
             if ctx < 0 and saves:
                 if lazy >= 0:
                     self.event_holds[event] = self.hold_lazily(event, lazy)
+                elif off >= 0:
+                    self.event_holds[event] = self.offload(event)
                 else:
                     self.event_holds[event] = self.hold([remap.get(s, s) for s in saves] if remap else saves)
                     if recompute:
@@ -638,7 +668,8 @@ class SimulatedStep:
         outputs, grads = event_facts.outputs, self.grads
         viewing = (event_facts.slices_grad or event_facts.aliases_grad) and len(outputs) == 1 and outputs[0] in grads
         rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0)) if self.rebuilds else (0, 0)  # every pass rebuilds
-        transient = event_facts.workspace + rebuilt
+        unpacked = self.offloaded.get(event, 0) if self.offloaded else 0  # copied back before the op's backward
+        transient = event_facts.workspace + rebuilt + unpacked
         created = self.mem
         for sid, size in event_facts.partial_grads:  # a gradient the size of the view read
             self.pieces[sid] = self.pieces.get(sid, 0) + size
@@ -684,6 +715,9 @@ class SimulatedStep:
         self.mem += transient
         self.tick()
         self.mem -= transient
+        if unpacked and not self.pass_.retains_graph:  # the host copies go with the graph
+            del self.offloaded[event]
+            self.host -= unpacked
         holds = self.event_holds.pop(event, [])
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)

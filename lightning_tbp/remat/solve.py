@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from lightning_tbp.remat.block_tree import BlockTree
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.lagrangian import Prices, lagrangian_plans, singleton_prices
-from lightning_tbp.remat.options import SOFT, Option, clears_soft_below, next_options
+from lightning_tbp.remat.options import KEEPS_SOME, SOFT, Option, clears_soft_below, next_options
 from lightning_tbp.remat.simulate import Holdings, SimResult, Simulator
 
 _EXACT_CANDIDATES = 4
@@ -96,12 +96,14 @@ class Solution:
 class Solver:
     """Greedy, simulation-guided search over nested checkpoint plans for one trace."""
 
-    def __init__(self, simulator: Simulator, *, selective: bool = True) -> None:
+    def __init__(self, simulator: Simulator, *, selective: bool = True, offload: bool = False) -> None:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
         checkpoint hands its cached outputs to the first backward only, so a graph that is
-        backpropagated twice (DP's ghost and flash modes) cannot use them."""
+        backpropagated twice (DP's ghost and flash modes) cannot use them. ``offload=True`` lets
+        plans offload blocks' saved activations to host memory (``host_tier.py``)."""
         self.sim = simulator
-        self.options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
+        options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
+        self.options = (*options, Option.OFFLOAD) if offload else options
         self.tree = BlockTree(simulator.trace)
         self.nodes = self.tree.nodes
         self.large = len(self.nodes) > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
@@ -320,7 +322,7 @@ class Solver:
         scored = []
         for index, option in self.legal_moves(options):
             freed = freed_full[index] - self.tree.kept_inputs(index, holdings, lca)
-            if option in SOFT:
+            if option in KEEPS_SOME:
                 freed -= self.tree.cache_bytes(index, holdings, lca)
             if freed <= 0:
                 continue

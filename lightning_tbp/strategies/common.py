@@ -37,6 +37,7 @@ from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
+from lightning_tbp.remat.host_tier import HostTier
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
@@ -129,6 +130,10 @@ class TinyBackpropMixin:
             from its own gradient (``lightning_tbp.optim.PER_PARAMETER``); the plan report says
             so, and an infeasible budget's error names what blocks it. ``True``: always (refused
             by name where it cannot run); ``False``: never.
+        host_tier: ``"on"``: the plan may offload blocks' saved activations to host memory,
+            chosen per block by predicted time beside recomputation (see
+            :mod:`lightning_tbp.remat.host_tier`); not with DP. ``"off"`` (default): every byte
+            stays on the device.
     """
 
     def __init__(
@@ -143,9 +148,18 @@ class TinyBackpropMixin:
         accountant: str | None = None,
         verify_every_n_steps: int = 50,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
+        host_tier: HostTier = "off",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if host_tier not in ("off", "on"):
+            raise ValueError(f"host_tier must be 'off' or 'on', got {host_tier!r}")
+        if host_tier == "on" and dp is not None:
+            raise ValueError(
+                f"host_tier='on' cannot be combined with dp={dp!r} yet: the DP engines read the saved "
+                "activations of their layers outside autograd's hooks; pass host_tier='off'"
+            )
+        self.host_tier: HostTier = host_tier
         if optimizer_in_backward not in (True, False, "auto"):
             raise ValueError(f"optimizer_in_backward must be True, False or 'auto', got {optimizer_in_backward!r}")
         if (
@@ -221,6 +235,7 @@ class TinyBackpropMixin:
                 ),
                 alternative=alternative,
                 alongside=self._alongside,
+                host_tier=self.host_tier,
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs

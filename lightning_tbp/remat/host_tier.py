@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 #: Whether plans may use the host tier (``Plan(host_tier=...)``).
 HostTier = Literal["off", "on"]
 #: Saved tensors over smaller storages stay on the device.
-MIN_OFFLOAD_BYTES = 64 * 1024
+MIN_OFFLOAD_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)

@@ -104,10 +104,8 @@ def pack(tensor: torch.Tensor, resident: Resident) -> torch.Tensor | _Offloaded:
     source = _storage_bytes(tensor)
     host = host_buffer(source.numel(), tensor.device)
     host.copy_(source)
-    return _Offloaded(
-        host, tensor.device, tensor.dtype, tuple(tensor.size()), tuple(tensor.stride()),
-        tensor.storage_offset(),
-    )  # fmt: skip
+    layout = (tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()))
+    return _Offloaded(host, tensor.device, tensor.dtype, *layout)
 
 
 def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:

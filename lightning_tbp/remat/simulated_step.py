@@ -40,8 +40,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.host_tier import offloaded
+from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,

@@ -94,7 +94,9 @@ def test_options_nest_by_one_set_of_rules() -> None:
         Option.FULL,
         Option.SELECTIVE,
         Option.LAZY,
+        Option.OFFLOAD,
     )
+    assert next_options(Option.OFFLOAD, checkpointed_above=False, plain_below=True) == (Option.FULL,)
     assert next_options(Option.KEEP, checkpointed_above=True, plain_below=True) == (Option.FULL,)
     assert next_options(Option.FULL, checkpointed_above=False, plain_below=False) == ()
 

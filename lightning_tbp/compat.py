@@ -113,6 +113,15 @@ def storage_key(tensor: torch.Tensor) -> int | None:
         return None
 
 
+def storage_weak_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to ``tensor``'s storage: ``.expired()`` says whether the storage is gone
+    (torch's multiprocessing keeps such references; its class is not exported elsewhere). While
+    it exists the storage object's address (``storage_key``) is not reused."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(tensor.untyped_storage())
+
+
 def foreach_div_(tensors: list[torch.Tensor], divisor: float) -> None:
     """Divide many tensors in place in one fused call (the averaged DP gradient)."""
     torch._foreach_div_(tensors, divisor)

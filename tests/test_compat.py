@@ -244,3 +244,16 @@ def test_real_tensors_can_be_made_inside_a_fake_mode() -> None:
         with unset_fake_temporarily():
             real = torch.arange(3.0)
             assert not isinstance(real, FakeTensor) and real.tolist() == [0.0, 1.0, 2.0]
+
+
+def test_a_storage_weak_reference_expires_with_the_storage_not_with_a_view() -> None:
+    from lightning_tbp.compat import storage_key, storage_weak_ref
+
+    base = torch.randn(1000)
+    view = base[10:]
+    reference = storage_weak_ref(view)
+    key = storage_key(view)
+    del base
+    assert not reference.expired() and storage_key(view) == key  # the view keeps the storage
+    del view
+    assert reference.expired()

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
 from lightning_tbp.memory import measure_peak
-from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, Resident, pack, unpack
+from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, HostCopies, Resident, host_use, pack, unpack
 from lightning_tbp.remat.options import Option
 from lightning_tbp.strategies import TinyBackpropFSDP2Strategy
 from lightning_tbp.testing.zoo_lightning import ZooModule
@@ -34,7 +34,7 @@ def test_a_packed_view_comes_back_equal_and_its_host_copy_is_not_counted() -> No
     holder: dict[str, object] = {}
 
     def offload() -> None:
-        holder["packed"] = pack(view, Resident())
+        holder["packed"] = pack(view, HostCopies(Resident()))
 
     assert measure_peak(offload).peak_bytes == 0  # the whole storage went to uncounted host memory
     restored = unpack(holder["packed"])  # type: ignore[arg-type]
@@ -47,11 +47,24 @@ def test_parameters_inputs_and_small_tensors_stay_on_the_device() -> None:
     weight = torch.nn.Parameter(torch.randn(256, 256))
     resident = Resident()
     resident.reset([weight])
-    assert pack(weight, resident) is weight
-    assert pack(weight.t(), resident) is not None and isinstance(pack(weight.t(), resident), torch.Tensor)
+    copies = HostCopies(resident)
+    assert pack(weight, copies) is weight
+    assert isinstance(pack(weight.t(), copies), torch.Tensor)  # a view of a parameter's storage
     small = torch.randn(MIN_OFFLOAD_BYTES // 4 - 1)
-    assert pack(small, resident) is small
-    assert not isinstance(pack(torch.randn(MIN_OFFLOAD_BYTES // 4), resident), torch.Tensor)
+    assert pack(small, copies) is small
+    assert not isinstance(pack(torch.randn(MIN_OFFLOAD_BYTES // 4), copies), torch.Tensor)
+
+
+def test_a_storage_saved_twice_is_copied_once_unless_it_was_written_between() -> None:
+    copies = HostCopies(Resident())
+    x = torch.randn(64, 1024)
+    original = x.clone()
+    first, again = pack(x, copies), pack(x[1:], copies)
+    assert first.host is again.host  # type: ignore[union-attr]
+    x.add_(1)
+    after_write = pack(x, copies)
+    assert after_write.host is not first.host  # type: ignore[union-attr]
+    assert torch.equal(unpack(after_write), x) and torch.equal(unpack(first), original)
 
 
 def _lowest(model, case, host_tier: str) -> int:
@@ -96,12 +109,15 @@ def test_plans_with_the_host_tier_go_below_what_recomputation_reaches_and_keep_t
         assert Option.OFFLOAD in shape_plan.options.values()
         assert shape_plan.planned.host_peak_bytes > 0
         assert "host tier:" in plan.report()
+        host_use.reset_peak()
         measured = _measured(model, _seeded(case))
         assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes)
         assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE, (
             measured,
             shape_plan.predicted_peak_bytes,
         )
+        assert host_use.live == 0  # every host copy went with the step's graph
+        assert abs(host_use.peak / shape_plan.planned.host_peak_bytes - 1) <= TOLERANCE
         grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
         assert max_relative_difference(grads, reference) <= 1e-6
     finally:

@@ -24,14 +24,15 @@ the option's cost.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
 
-from lightning_tbp.compat import storage_key
+from lightning_tbp.compat import storage_key, storage_weak_ref, version_counter
 
 if TYPE_CHECKING:
     from lightning_tbp.remat.trace import Trace
@@ -74,12 +75,37 @@ def offloaded(trace: Trace, sid: int) -> bool:
     return trace.storage_is_activation[sid] and trace.storage_bytes[sid] >= MIN_OFFLOAD_BYTES
 
 
+class _HostUse:
+    """Bytes of live host-tier buffers, and their peak since the last reset (``host_use``)."""
+
+    def __init__(self) -> None:
+        self.live = self.peak = 0
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+    def _allocated(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _freed(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+
+#: What the host tier holds in this process (the plan report predicts its peak per step).
+host_use = _HostUse()
+
+
 def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
     """``nbytes`` of host memory for a copy of ``device`` memory: pinned for CUDA (copies can run
     at full bandwidth), numpy's for a CPU (memory the exact CPU meter does not count)."""
     if device.type == "cuda":
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    return torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    else:
+        buffer = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+    host_use._allocated(nbytes)
+    weakref.finalize(buffer, host_use._freed, nbytes)
+    return buffer
 
 
 def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -97,15 +123,34 @@ def offloadable(tensor: torch.Tensor, resident: Resident) -> bool:
     )
 
 
-def pack(tensor: torch.Tensor, resident: Resident) -> torch.Tensor | _Offloaded:
+class HostCopies:
+    """The host copies one offloaded call made, by storage: a storage saved by several ops (an
+    input two layers read) is copied once while it lives on the device and nothing wrote to it
+    since (its version counter, shared by every view, is unchanged), as the simulator counts."""
+
+    def __init__(self, resident: Resident) -> None:
+        self.resident = resident
+        self._copies: dict[int, tuple[Any, int, torch.Tensor]] = {}  # key -> (weak ref, version, copy)
+
+    def host_of(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = storage_key(tensor)
+        assert key is not None  # offloadable tensors are strided
+        known = self._copies.get(key)
+        if known is not None and not known[0].expired() and known[1] == version_counter(tensor):
+            return known[2]
+        source = _storage_bytes(tensor)
+        host = host_buffer(source.numel(), tensor.device)
+        host.copy_(source)
+        self._copies[key] = (storage_weak_ref(tensor), version_counter(tensor), host)
+        return host
+
+
+def pack(tensor: torch.Tensor, copies: HostCopies) -> torch.Tensor | _Offloaded:
     """Copy ``tensor``'s storage to the host (or keep the tensor, if it stays on the device)."""
-    if not offloadable(tensor, resident):
+    if not offloadable(tensor, copies.resident):
         return tensor
-    source = _storage_bytes(tensor)
-    host = host_buffer(source.numel(), tensor.device)
-    host.copy_(source)
     layout = (tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset()))
-    return _Offloaded(host, tensor.device, tensor.dtype, *layout)
+    return _Offloaded(copies.host_of(tensor), tensor.device, tensor.dtype, *layout)
 
 
 def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:
@@ -122,5 +167,6 @@ def unpack(packed: torch.Tensor | _Offloaded) -> torch.Tensor:
 @contextlib.contextmanager
 def offloaded_saves(resident: Resident) -> Iterator[None]:
     """Run the block inside with its saved activations offloaded to the host."""
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: pack(t, resident), unpack):
+    copies = HostCopies(resident)  # dropped as the block's forward ends: the saves keep what they use
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: pack(t, copies), unpack):
         yield

@@ -174,7 +174,9 @@ class SimulatedStep:
         self.contexts: dict[tuple[int, int], int] = {}  # (node, region) -> context, for this plan
         self.lazy_blocks: dict[int, int] = {}  # node -> enclosing lazy block, for this plan
         self.offload_blocks: dict[int, int] = {}  # node -> enclosing offloaded block, for this plan
-        self.offloaded: dict[int, int] = {}  # event -> bytes of its saves on the host tier
+        self.offloaded: dict[int, list[int]] = {}  # event -> its saves on the host tier
+        self.host_refs: dict[tuple[int, int], int] = {}  # (offloaded block, storage) -> saves of its host copy
+        self.host_block: dict[int, int] = {}  # event -> the offloaded block it saved in
         self.host = self.host_peak = 0  # bytes on the host tier now, and at most
         # A checkpoint inside another stashes the RNG state whenever the enclosing forward or a
         # recompute calls it (a CPU tensor its frame keeps): ``restash``.
@@ -356,18 +358,44 @@ class SimulatedStep:
             found = self.offload_blocks[node] = enclosing_block(self.facts.parent, node, self.options, Option.OFFLOAD)
         return found
 
-    def offload(self, event: int) -> list[int]:
-        """An offloaded block's op saves: what goes to the host is copied there (its device
-        storage is left to its Python references), the rest is held. Returns what is held."""
+    def offload(self, event: int, block: int) -> list[int]:
+        """An offloaded block's op saves: what goes to the host is copied there, once per storage
+        while it lives (``host_tier.HostCopies``), and its device storage is left to its Python
+        references; the rest is held. Returns what is held."""
         saves = self.trace.event_saves[event]
-        copied = sum(self.facts.sizes[sid] for sid in saves if offloaded(self.trace, sid))
-        if copied:
-            self.offloaded[event] = self.offloaded.get(event, 0) + copied
-            self.host += copied
-            self.host_peak = max(self.host_peak, self.host)
+        sizes = self.facts.sizes
+        copied = 0
+        for sid in saves:
+            if not offloaded(self.trace, sid):
+                continue
+            self.offloaded.setdefault(event, []).append(sid)
+            key = (block, sid)
+            if key not in self.host_refs or sid not in self.alive:
+                copied += sizes[sid]
+                self.host += sizes[sid] if key not in self.host_refs else 0
+            self.host_refs[key] = self.host_refs.get(key, 0) + 1
+            self.host_block[event] = block
+        self.host_peak = max(self.host_peak, self.host)
         overheads = self.trace.overheads
         self.charge(Option.OFFLOAD, copied * overheads.offload_ns_per_byte + len(saves) * overheads.checkpoint_save_ns)
         return self.hold([sid for sid in saves if not offloaded(self.trace, sid)])
+
+    def unpacked(self, event: int) -> int:
+        """Bytes ``event``'s backward copies back from the host (each save its own copy); its host
+        copies go after it, unless a retained pass needs them again."""
+        sids = self.offloaded.get(event)
+        if not sids:
+            return 0
+        if not self.pass_.retains_graph:
+            del self.offloaded[event]
+            block = self.host_block.pop(event)
+            for sid in sids:
+                key = (block, sid)
+                self.host_refs[key] -= 1
+                if not self.host_refs[key]:
+                    del self.host_refs[key]
+                    self.host -= self.facts.sizes[sid]
+        return sum(self.facts.sizes[sid] for sid in sids)
 
     def context(self, node: int, region: int) -> int:
         """``options.checkpoint_context`` under this plan, memoised: every event asks it, often more than once."""
@@ -457,7 +485,7 @@ class SimulatedStep:
                 if lazy >= 0:
                     self.event_holds[event] = self.hold_lazily(event, lazy)
                 elif off >= 0:
-                    self.event_holds[event] = self.offload(event)
+                    self.event_holds[event] = self.offload(event, off)
                 else:
                     self.event_holds[event] = self.hold([remap.get(s, s) for s in saves] if remap else saves)
                     if recompute:
@@ -668,7 +696,7 @@ class SimulatedStep:
         outputs, grads = event_facts.outputs, self.grads
         viewing = (event_facts.slices_grad or event_facts.aliases_grad) and len(outputs) == 1 and outputs[0] in grads
         rebuild_peak, rebuilt = self.rebuilds.get(event, (0, 0)) if self.rebuilds else (0, 0)  # every pass rebuilds
-        unpacked = self.offloaded.get(event, 0) if self.offloaded else 0  # copied back before the op's backward
+        unpacked = self.unpacked(event) if self.offloaded else 0  # copied back before the op's backward
         transient = event_facts.workspace + rebuilt + unpacked
         created = self.mem
         for sid, size in event_facts.partial_grads:  # a gradient the size of the view read
@@ -715,9 +743,6 @@ class SimulatedStep:
         self.mem += transient
         self.tick()
         self.mem -= transient
-        if unpacked and not self.pass_.retains_graph:  # the host copies go with the graph
-            del self.offloaded[event]
-            self.host -= unpacked
         holds = self.event_holds.pop(event, [])
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)

@@ -158,7 +158,27 @@ def test_the_host_tier_is_refused_by_name_where_it_cannot_run() -> None:
         TinyBackpropFSDP2Strategy(host_tier="on")
     case = ZOO["dit"].case(batch=2)
     with pytest.raises(ValueError, match="host_tier must be"):
-        rematerialize(case.model, *case.args, memory_budget=0.5, host_tier="auto", **case.kwargs)  # type: ignore[arg-type]
+        rematerialize(case.model, *case.args, memory_budget=0.5, host_tier="yes", **case.kwargs)  # type: ignore[arg-type]
+
+
+def test_auto_takes_the_host_tier_only_where_the_device_alone_cannot_meet_the_budget() -> None:
+    case = ZOO["flux"].case(batch=8)
+    model = case.model
+    without, with_host = _lowest(model, case, "off"), _lowest(model, case, "on")
+    with pytest.raises(InfeasibleBudgetError, match="with the host tier") as error:
+        rematerialize(model, *case.args, memory_budget=1, host_tier="auto", **case.kwargs)
+    assert error.value.minimum_budget_bytes == with_host
+    roomy = rematerialize(model, *case.args, memory_budget=without, host_tier="auto", **case.kwargs)
+    try:
+        assert Option.OFFLOAD not in roomy.current.options.values() and "host tier" not in roomy.report()
+    finally:
+        roomy.remove()
+    tight = rematerialize(model, *case.args, memory_budget=(with_host + without) // 2, host_tier="auto", **case.kwargs)
+    try:
+        assert Option.OFFLOAD in tight.current.options.values()
+        assert "the host tier (host_tier='auto')" in tight.report()
+    finally:
+        tight.remove()
 
 
 @pytest.mark.slow

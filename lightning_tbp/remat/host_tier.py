@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from lightning_tbp.remat.trace import Trace
 
 #: Whether plans may use the host tier (``Plan(host_tier=...)``).
-HostTier = Literal["off", "on"]
+HostTier = Literal["off", "on", "auto"]
 #: Saved tensors over smaller storages stay on the device.
 MIN_OFFLOAD_BYTES = 16 * 1024
 

@@ -134,12 +134,15 @@ class Plan:
         anything else, whenever a new signature is planned; counted in every prediction (and
         added to what the plan's own meter, which starts at the forward, reads). None: nothing.
         ``host_tier``: ``"on"`` lets plans offload blocks' saved activations to host memory
-        (``host_tier.py``), chosen per block by predicted time like recomputation; ``"off"`` keeps
-        every byte on the device. Not with a step whose graph is backpropagated more than once
-        or a DP engine (their saves are read outside autograd's hooks)."""
-        if host_tier not in ("off", "on"):
-            raise ValueError(f"host_tier must be 'off' or 'on', got {host_tier!r}")
+        (``host_tier.py``), chosen per block by predicted time like recomputation; ``"auto"``
+        only once a budget cannot be met on the device alone (the report says so); ``"off"``
+        keeps every byte on the device. Not with a step whose graph is backpropagated more than
+        once or a DP engine (their saves are read outside autograd's hooks)."""
+        if host_tier not in ("off", "on", "auto"):
+            raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
         self.host_tier = host_tier
+        self._host_tier_used = False  # "auto" took it
+        self._host_tier_action: tuple[str, ...] = ()  # as the reports describe it
         if batch_ceiling is not None and batch_ceiling < 1:
             raise ValueError(f"batch_ceiling must be a positive number of samples, got {batch_ceiling}")
         if backward_passes < 1:
@@ -268,15 +271,13 @@ class Plan:
 
     def _solver(self, trace: Trace, loss_bytes: int, alongside: Alongside, loop: LoopModel | None = None) -> Solver:
         loop = self.loop if loop is None else loop
-        step = step_model_for(self.module)
-        offload = self.host_tier == "on"
-        if offload and (step is not PLAIN_STEP or self.backward_passes > 1):
+        offload = self.host_tier == "on" or self._host_tier_used
+        if self.host_tier == "on" and (blocker := self._host_tier_blocker()) is not None:
             raise ValueError(
-                f"host_tier='on' cannot plan {type(self.module).__name__} here: its step is "
-                f"{step.name!r} with {max(self.backward_passes, step.backward_passes)} backward pass(es), and the "
-                "host tier offloads saves for a plain single backward only; pass host_tier='off'"
+                f"host_tier='on' cannot plan {type(self.module).__name__} here: {blocker}; pass host_tier='off' "
+                "(or 'auto', which uses it only where it can)"
             )
-        simulator = Simulator(trace, step, loss_bytes, loop, alongside)
+        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside)
         return Solver(simulator, selective=self._selective(), offload=offload)
 
     def set_loop(self, loop: LoopModel) -> None:
@@ -350,15 +351,64 @@ class Plan:
         return shape_plan
 
     def _solve_profile(self, profile: _Profile, correction: float) -> ShapePlan:
+        """Solve on the device alone; where that cannot meet the budget and ``host_tier`` is
+        ``"auto"``, with the host tier, which is then used for every shape planned after."""
+        try:
+            solved = self._solve_in_loop(profile, correction)
+        except InfeasibleBudgetError as error:
+            if not self._may_take_host_tier():
+                if self.host_tier == "auto" and not self._host_tier_used:
+                    error.add_note(f"the host tier cannot be used here: {self._host_tier_blocker()}")
+                raise
+            solved = self._solve_with_host_tier(profile, correction, error)
+        solved.actions = (*self.actions, *self._host_tier_action)
+        return solved
+
+    def _solve_in_loop(self, profile: _Profile, correction: float) -> ShapePlan:
         """Solve in the loop in force; where that cannot meet the budget, in the alternative loop,
         which is then taken for every shape."""
         try:
-            solved = self._solve_with(profile, profile.solver, correction)
+            return self._solve_with(profile, profile.solver, correction)
         except InfeasibleBudgetError as error:
             if self.alternative is None:
                 raise
-            solved = self._solve_in_alternative(profile, correction, error, self.alternative)
-        solved.actions = self.actions
+            return self._solve_in_alternative(profile, correction, error, self.alternative)
+
+    def _host_tier_blocker(self) -> str | None:
+        """Why plans may not offload to the host here (None: they may)."""
+        step = step_model_for(self.module)
+        if step is not PLAIN_STEP or self.backward_passes > 1:
+            return (
+                f"the step is {step.name!r} with {max(self.backward_passes, step.backward_passes)} backward "
+                "pass(es), and the host tier offloads saves for a plain single backward only"
+            )
+        return None
+
+    def _may_take_host_tier(self) -> bool:
+        return self.host_tier == "auto" and not self._host_tier_used and self._host_tier_blocker() is None
+
+    def _solve_with_host_tier(self, profile: _Profile, correction: float, error: InfeasibleBudgetError) -> ShapePlan:
+        device_only = profile.solver
+        self._host_tier_used = True
+        profile.solver = self._solver(profile.trace, device_only.sim.loss_bytes, profile.alongside)
+        try:
+            solved = self._solve_in_loop(profile, correction)
+        except InfeasibleBudgetError as lower:
+            self._host_tier_used = False
+            profile.solver = device_only
+            if lower.minimum_budget_bytes >= error.minimum_budget_bytes:
+                raise error from None
+            lower.add_note(
+                f"that minimum is with the host tier (host_tier='auto'); on the device alone "
+                f"{format_bytes(error.minimum_budget_bytes)}"
+            )
+            raise lower from None
+        self._host_tier_action = (
+            f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes)} is below "
+            f"the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may offload blocks' "
+            "saved activations to host memory from now on",
+        )
+        log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
         return solved
 
     def _solve_in_alternative(

@@ -130,11 +130,15 @@ class TinyBackpropMixin:
             from its own gradient (``lightning_tbp.optim.PER_PARAMETER``); the plan report says
             so, and an infeasible budget's error names what blocks it. ``True``: always (refused
             by name where it cannot run); ``False``: never.
-        host_tier: ``"on"``: the plan may offload blocks' saved activations to host memory,
-            chosen per block by predicted time beside recomputation (see
-            :mod:`lightning_tbp.remat.host_tier`); not with DP. ``"off"`` (default): every byte
-            stays on the device.
+        host_tier: ``"auto"`` (default): where a budget cannot be met on the device alone, the
+            plan may offload blocks' saved activations to host memory, chosen per block by
+            predicted time beside recomputation (see :mod:`lightning_tbp.remat.host_tier`); the
+            plan report says so. ``"on"``: from the first plan; ``"off"``: never. Not with DP
+            or FSDP (``"on"`` is refused there, ``"auto"`` keeps every byte on the device).
     """
+
+    #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the step).
+    host_tier_supported = True
 
     def __init__(
         self,
@@ -148,12 +152,12 @@ class TinyBackpropMixin:
         accountant: str | None = None,
         verify_every_n_steps: int = 50,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
-        host_tier: HostTier = "off",
+        host_tier: HostTier = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if host_tier not in ("off", "on"):
-            raise ValueError(f"host_tier must be 'off' or 'on', got {host_tier!r}")
+        if host_tier not in ("off", "on", "auto"):
+            raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
         if host_tier == "on" and dp is not None:
             raise ValueError(
                 f"host_tier='on' cannot be combined with dp={dp!r} yet: the DP engines read the saved "
@@ -235,7 +239,7 @@ class TinyBackpropMixin:
                 ),
                 alternative=alternative,
                 alongside=self._alongside,
-                host_tier=self.host_tier,
+                host_tier="off" if self.privacy is not None or not self.host_tier_supported else self.host_tier,
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs

@@ -131,11 +131,12 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
     """FSDP (``FullyShardedDataParallel``, CUDA only) with the plan; use FSDP2 or DDP for DP."""
 
     strategy_name = "tiny_backprop_fsdp"
+    host_tier_supported = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("dp") is not None:
             raise ValueError("dp is not available with tiny_backprop_fsdp; use tiny_backprop_ddp")
-        if kwargs.get("host_tier", "off") != "off":
+        if kwargs.get("host_tier") == "on":
             raise ValueError(
                 "host_tier is not available with tiny_backprop_fsdp (it gathers each unit's weights inside "
                 "the step); use tiny_backprop or tiny_backprop_ddp"
@@ -228,6 +229,7 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
     """
 
     strategy_name = "tiny_backprop_fsdp2"
+    host_tier_supported = False
 
     def __init__(self, *args: Any, reshard_after_forward: bool = True, **kwargs: Any) -> None:
         if kwargs.get("dp") is not None:
@@ -235,7 +237,7 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
                 "dp is not available with tiny_backprop_fsdp2 yet (the privacy engine needs plain "
                 "parameters, FSDP2 shards them into DTensors); use tiny_backprop_ddp"
             )
-        if kwargs.get("host_tier", "off") != "off":
+        if kwargs.get("host_tier") == "on":
             raise ValueError(
                 "host_tier is not available with tiny_backprop_fsdp2 yet (the weights it gathers for each "
                 "block are made inside the step, so the host tier would copy them out as activations); "

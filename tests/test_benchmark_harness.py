@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import dp_plan_time
 import hfu
 import high_res
+import host_tier
 import unet_mem_bench
 import verify
 from cases import build_case, get_profile
@@ -223,3 +224,19 @@ def test_verify_config_is_checked_before_running(tmp_path) -> None:
         bad.write_text(text)
         with pytest.raises(ValueError, match=message):
             verify.load_config(bad)
+
+
+def test_the_host_tier_benchmark_holds_the_plans_to_the_hand_settings_peaks(tmp_path) -> None:
+    host_tier.main(["--names", "dit", "--rounds", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "host_tier.json").read_text())
+    assert (tmp_path / "host_tier.png").stat().st_size > 0
+    (model,) = result["models"]
+    assert [r["setting"].split()[0] for r in model["rows"]] == ["checkpoint", "offload", "checkpoint"]
+    for row in model["rows"]:
+        if row["plan_below_floor"] is None:
+            assert row["plan_budget_bytes"] == row["hand_peak_bytes"]
+        else:
+            assert row["plan_budget_bytes"] > row["hand_peak_bytes"]
+        assert row["plan_peak_bytes"] <= row["plan_budget_bytes"]
+        assert row["hand_grad_max_rel_diff"] <= 1e-6 and row["plan_grad_max_rel_diff"] <= 1e-6
+    assert model["rows"][1]["hand_host_peak_bytes"] > 0  # offloading every block keeps its saves on the host

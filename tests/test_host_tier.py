@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
 from lightning_tbp.memory import measure_peak
+from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, HostCopies, Resident, host_use, pack, unpack
 from lightning_tbp.remat.options import Option
 from lightning_tbp.strategies import TinyBackpropFSDP2Strategy
@@ -205,3 +206,28 @@ def test_a_whole_fit_below_what_recomputation_reaches_holds_its_promise(name: st
     run = _fit(module, loader, strategy((with_host + without) / 2, "on"), max_steps=4)
     assert Option.OFFLOAD in run["plan"].options.values()
     _assert_the_promise_holds(run)
+
+
+def test_plans_keep_within_the_host_budget_and_say_so() -> None:
+    """A host budget below what the lowest unbounded plan keeps there: the plan it names holds
+    within it (measured), and its lowest device budget is no lower than the unbounded one."""
+    case = ZOO["flux"].case(batch=8)
+    model = case.model
+    unbounded = rematerialize(model, *case.args, memory_budget=0.4, host_tier="on", **case.kwargs)
+    host_peak = unbounded.current.planned.host_peak_bytes
+    unbounded.remove()
+    assert host_peak > 0
+    host_budget = host_peak // 3
+    plan = rematerialize(
+        model, *case.args, memory_budget=0.4, host_tier="on", host_budget_bytes=host_budget, **case.kwargs
+    )
+    try:
+        assert 0 < plan.current.planned.host_peak_bytes <= host_budget
+        assert f"host budget {format_bytes(host_budget)}" in plan.report()
+        host_use.reset_peak()
+        _measured(model, _seeded(case))
+        assert host_use.peak <= host_budget
+    finally:
+        plan.remove()
+    with pytest.raises(ValueError, match="host_budget must be"):
+        TinyBackpropStrategy(host_budget=-1)

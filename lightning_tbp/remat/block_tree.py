@@ -27,6 +27,7 @@ class BlockTree:
         self.event_count = [0] * n
         self.save_count = [0] * n
         self.offload_bytes = [0] * n  # what an offload of the block copies to the host and back
+        self.offload_count = [0] * n  # in how many saved tensors
         for node in self.nodes:
             if not node.has_events:
                 continue
@@ -35,9 +36,8 @@ class BlockTree:
             self.cheap_cost[node.index] = sum(trace.event_cost[e] for e in events if not trace.event_traits[e].heavy)
             self.event_count[node.index] = len(events)
             self.save_count[node.index] = sum(len(trace.event_saves[e]) for e in events)
-            self.offload_bytes[node.index] = sum(
-                trace.storage_bytes[s] for e in events for s in trace.event_saves[e] if offloaded(trace, s)
-            )
+            copied = [trace.storage_bytes[s] for e in events for s in trace.event_saves[e] if offloaded(trace, s)]
+            self.offload_bytes[node.index], self.offload_count[node.index] = sum(copied), len(copied)
             self.heavy_outputs[node.index] = [
                 s for e in events if trace.event_traits[e].heavy for s in trace.event_outputs[e]
             ]
@@ -67,7 +67,8 @@ class BlockTree:
             cost = self.cheap_cost[index] + self.event_count[index] * overheads.lazy_op_ns
         elif option == Option.OFFLOAD:
             hooks = self.save_count[index] * overheads.checkpoint_save_ns  # each save packed and unpacked in Python
-            cost = self.offload_bytes[index] * overheads.offload_ns_per_byte + hooks
+            copies = self.offload_count[index] * overheads.offload_save_ns
+            cost = self.offload_bytes[index] * overheads.offload_ns_per_byte + copies + hooks
         else:
             return 0.0
         return cost * self.trace.option_scale.get(option, 1.0)

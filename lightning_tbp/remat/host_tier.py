@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
+import psutil
 import torch
 
 from lightning_tbp.compat import storage_key, storage_weak_ref, version_counter
@@ -73,6 +74,16 @@ def offloaded(trace: Trace, sid: int) -> bool:
     """Whether an offloaded block's save of storage ``sid`` goes to the host (:func:`offloadable`,
     as the planner's trace knows it: made by the step, and large enough)."""
     return trace.storage_is_activation[sid] and trace.storage_bytes[sid] >= MIN_OFFLOAD_BYTES
+
+
+#: The share of the host's available memory the host tier may take by default.
+HOST_SHARE = 0.8
+
+
+def default_host_budget(processes_per_host: int = 1) -> int:
+    """What the host tier may hold by default: a share of the memory the host has available now,
+    split between the training processes on it (ranks of one node share its memory)."""
+    return int(psutil.virtual_memory().available * HOST_SHARE) // max(processes_per_host, 1)
 
 
 class _HostUse:

@@ -42,6 +42,8 @@ class StepOverheads:
     """Per op run inside a selective block, in its forward and again in its recomputation."""
     offload_ns_per_byte: float = 0.0
     """Per byte an offloaded block copies to the host tier and back (``host_tier.py``)."""
+    offload_save_ns: float = 0.0
+    """Per saved tensor an offloaded block copies, beyond its bytes (a host buffer, a device one)."""
 
 
 _CHAIN = 40  # ops per chain: sigmoid (saves its result) then a scale, alternating
@@ -101,23 +103,30 @@ def _measure(device: torch.device) -> StepOverheads:
     per_save = max(0.0, times["checkpoint_chain"] - times["plain_chain"] - recompute - call) / saves
     lazy = max(0.0, times["lazy_chain"] - times["plain_chain"]) / _CHAIN
     selective_ops = max(0.0, times["selective_chain"] - times["checkpoint_chain"]) / (2 * _CHAIN)
-    return StepOverheads(call, per_save, lazy, selective_ops, _offload_ns_per_byte(device))
+    return StepOverheads(call, per_save, lazy, selective_ops, *_offload_costs(device))
 
 
-_PROBE_BYTES = 4 * 2**20
+_PROBE_BYTES = (64 * 2**10, 4 * 2**20)
 
 
-def _offload_ns_per_byte(device: torch.device) -> float:
-    """Nanoseconds per byte of a copy to the host tier and back (not overlapped with compute)."""
-    source = torch.ones(_PROBE_BYTES, dtype=torch.uint8, device=device)
-    host = host_buffer(_PROBE_BYTES, device)
-    back = torch.empty_like(source)
+def _offload_costs(device: torch.device) -> tuple[float, float]:
+    """Nanoseconds per byte, and per saved tensor beyond its bytes, of a trip to the host tier
+    and back as an offloaded block makes it: a fresh host buffer filled, a fresh device buffer
+    filled from it (fresh memory is what the pack and unpack get), at a small and a large size."""
+    sources = [torch.ones(n, dtype=torch.uint8, device=device) for n in _PROBE_BYTES]
 
-    def round_trip() -> None:
-        host.copy_(source)
-        back.copy_(host)
+    def round_trip(source: torch.Tensor) -> Callable[[], None]:
+        def run() -> None:
+            host = host_buffer(source.numel(), device)
+            host.copy_(source)
+            torch.empty_like(source).copy_(host)
 
-    return _interleaved({"round_trip": round_trip}, device)["round_trip"] / _PROBE_BYTES
+        return run
+
+    times = _interleaved({str(s.numel()): round_trip(s) for s in sources}, device)
+    small, large = (times[str(n)] for n in _PROBE_BYTES)
+    per_byte = max(0.0, large - small) / (_PROBE_BYTES[1] - _PROBE_BYTES[0])
+    return per_byte, max(0.0, small - per_byte * _PROBE_BYTES[0])
 
 
 def _no_grad(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> None:

@@ -37,7 +37,7 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
-from lightning_tbp.remat.host_tier import HostTier
+from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.pricing import price_by_flops, pricing_by_flops
@@ -109,6 +109,7 @@ class Plan:
         alternative: LoopAlternative | None = None,
         alongside: Callable[[tuple, dict], Alongside] | None = None,
         host_tier: HostTier = "off",
+        host_budget_bytes: int | None = None,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -137,7 +138,12 @@ class Plan:
         (``host_tier.py``), chosen per block by predicted time like recomputation; ``"auto"``
         only once a budget cannot be met on the device alone (the report says so); ``"off"``
         keeps every byte on the device. Not with a step whose graph is backpropagated more than
-        once or a DP engine (their saves are read outside autograd's hooks)."""
+        once or a DP engine (their saves are read outside autograd's hooks).
+        ``host_budget_bytes``: the most plans may keep on the host at once (None: a share of the
+        host memory available when a plan is made, ``host_tier.default_host_budget``)."""
+        if host_budget_bytes is not None and host_budget_bytes < 0:
+            raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
+        self.host_budget_bytes = host_budget_bytes
         if host_tier not in ("off", "on", "auto"):
             raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
         self.host_tier = host_tier
@@ -277,7 +283,10 @@ class Plan:
                 f"host_tier='on' cannot plan {type(self.module).__name__} here: {blocker}; pass host_tier='off' "
                 "(or 'auto', which uses it only where it can)"
             )
-        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside)
+        host_budget = float("inf")
+        if offload:
+            host_budget = default_host_budget() if self.host_budget_bytes is None else self.host_budget_bytes
+        simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside, host_budget)
         return Solver(simulator, selective=self._selective(), offload=offload)
 
     def set_loop(self, loop: LoopModel) -> None:
@@ -632,17 +641,19 @@ def rematerialize(
     *example_args: Any,
     memory_budget: BudgetSpec = "auto",
     host_tier: HostTier = "off",
+    host_budget_bytes: int | None = None,
     **example_kwargs: Any,
 ) -> Plan:
     """Install a rematerialization plan on ``module`` in place and return it.
 
     ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is
     made now, and a call with other shapes later gets its own plan (cached per signature).
-    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier``: see :class:`Plan`. Raises
+    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier`` and
+    ``host_budget_bytes``: see :class:`Plan`. Raises
     :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits.
     Check it on a real step with :meth:`Plan.verify`.
     """
-    plan = Plan(module, memory_budget, host_tier=host_tier)
+    plan = Plan(module, memory_budget, host_tier=host_tier, host_budget_bytes=host_budget_bytes)
     try:
         with torch.enable_grad():
             plan.plan_for(example_args, example_kwargs)

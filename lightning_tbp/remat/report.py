@@ -49,7 +49,8 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     if offloaded:
         lines.append(
             f"host tier: {offloaded} block(s) offload their saved activations to host memory, at most "
-            f"{format_bytes(sp.planned.host_peak_bytes)} there at once; copies are charged in the time estimate"
+            f"{format_bytes(sp.planned.host_peak_bytes)} there at once (host budget "
+            f"{format_bytes(int(sp.host_budget_bytes))}); copies are charged in the time estimate"
         )
     if sp.correction > 1:
         lines.append(
@@ -96,6 +97,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
             "alongside_bytes": dataclasses.asdict(sp.alongside),
         },
         "host_peak_bytes": sp.planned.host_peak_bytes,
+        "host_budget_bytes": None if sp.host_budget_bytes == float("inf") else int(sp.host_budget_bytes),
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,
         "correction": sp.correction,

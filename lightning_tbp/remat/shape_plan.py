@@ -70,6 +70,7 @@ class ShapePlan:
     loss_measured: bool = False  # that loss was measured on a step (else assumed)
     measured_loss_bytes: int | None = None  # the loss of the metered step (``verify.StepReading``)
     measured_step_ns: float | None = None  # median time of its timed steps (``verify.StepClock``)
+    host_budget_bytes: float = float("inf")  # the most the host tier may hold (inf: no host tier)
 
     @property
     def measured_at_planned_batch(self) -> bool:
@@ -199,6 +200,7 @@ def solve_shape(
         correction=correction,
         loss_bytes=simulator.loss_bytes,
         loss_measured=loss_measured,
+        host_budget_bytes=simulator.host_budget_bytes,
     )
 
 

@@ -29,7 +29,9 @@ class Simulator:
     its backward first. ``loop``: the gradients the training loop holds when the step starts and
     its optimizer step (``step.LoopModel``); one simulation follows every case, and a result's
     peak is the highest of them. ``alongside``: what the loop keeps on the device beside the
-    step for this trace's inputs (the batch; ``step.Alongside``), counted in every peak."""
+    step for this trace's inputs (the batch; ``step.Alongside``), counted in every peak.
+    ``host_budget_bytes``: the most the host tier may hold (``host_tier.py``); a plan whose
+    offloaded blocks would hold more cannot run (``simulated_step.UNREACHABLE``)."""
 
     def __init__(
         self,
@@ -38,8 +40,10 @@ class Simulator:
         loss_bytes: int = 0,
         loop: LoopModel = PLAIN_LOOP,
         alongside: Alongside = NOTHING_ALONGSIDE,
+        host_budget_bytes: float = float("inf"),
     ) -> None:
         self.trace = trace
+        self.host_budget_bytes = host_budget_bytes
         self.step = step
         self.loss_bytes = loss_bytes
         self.loop = loop
@@ -70,6 +74,7 @@ class Simulator:
             self.alongside,
             capture_step=capture_step,
             limit_bytes=limit_bytes,
+            host_limit_bytes=self.host_budget_bytes,
         )
 
     def run(self, options: list[Option]) -> SimResult:

@@ -54,6 +54,9 @@ from lightning_tbp.remat.step import (
 )
 from lightning_tbp.remat.trace_facts import TraceFacts
 
+#: The device peak a plan that cannot run is given (one whose host copies pass the host budget).
+UNREACHABLE = 2**62
+
 
 @dataclass
 class SimResult:
@@ -142,9 +145,11 @@ class SimulatedStep:
         alongside: Alongside = NOTHING_ALONGSIDE,
         capture_step: int = -1,
         limit_bytes: float = math.inf,
+        host_limit_bytes: float = math.inf,
     ) -> None:
         self.facts = facts
         self.limit_bytes = limit_bytes
+        self.host_limit_bytes = host_limit_bytes
         self.trace = facts.trace
         self.options = options
         self.capture_step = capture_step
@@ -244,8 +249,10 @@ class SimulatedStep:
             self.mem -= loop.optimizer_step_bytes
 
     def result(self) -> SimResult:
+        """The step's result; a plan that passes the host budget cannot run, so its device peak
+        reads as :data:`UNREACHABLE` and every search rejects it."""
         return SimResult(
-            peak_bytes=self.peak,
+            peak_bytes=self.peak if self.host_peak <= self.host_limit_bytes else UNREACHABLE,
             recompute_cost=self.recompute_cost,
             recompute_flops=self.recompute_flops,
             forward_end_bytes=self.forward_end,
@@ -364,7 +371,7 @@ class SimulatedStep:
         references; the rest is held. Returns what is held."""
         saves = self.trace.event_saves[event]
         sizes = self.facts.sizes
-        copied = 0
+        copied = copies = 0
         for sid in saves:
             if not offloaded(self.trace, sid):
                 continue
@@ -372,12 +379,16 @@ class SimulatedStep:
             key = (block, sid)
             if key not in self.host_refs or sid not in self.alive:
                 copied += sizes[sid]
+                copies += 1
                 self.host += sizes[sid] if key not in self.host_refs else 0
             self.host_refs[key] = self.host_refs.get(key, 0) + 1
             self.host_block[event] = block
         self.host_peak = max(self.host_peak, self.host)
+        if self.host_peak > self.host_limit_bytes and self.limit_bytes < math.inf:
+            raise OverLimit  # a bounded simulation rejects the plan at once (``result`` says why otherwise)
         overheads = self.trace.overheads
-        self.charge(Option.OFFLOAD, copied * overheads.offload_ns_per_byte + len(saves) * overheads.checkpoint_save_ns)
+        copy_ns = copied * overheads.offload_ns_per_byte + copies * overheads.offload_save_ns
+        self.charge(Option.OFFLOAD, copy_ns + len(saves) * overheads.checkpoint_save_ns)
         return self.hold([sid for sid in saves if not offloaded(self.trace, sid)])
 
     def unpacked(self, event: int) -> int:

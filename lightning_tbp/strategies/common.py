@@ -37,7 +37,7 @@ from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
-from lightning_tbp.remat.host_tier import HostTier
+from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
@@ -135,6 +135,8 @@ class TinyBackpropMixin:
             predicted time beside recomputation (see :mod:`lightning_tbp.remat.host_tier`); the
             plan report says so. ``"on"``: from the first plan; ``"off"``: never. Not with DP
             or FSDP (``"on"`` is refused there, ``"auto"`` keeps every byte on the device).
+        host_budget: the most bytes the host tier may hold per process (None: 80% of the host
+            memory available at setup, split between the processes of one node).
     """
 
     #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the step).
@@ -153,6 +155,7 @@ class TinyBackpropMixin:
         verify_every_n_steps: int = 50,
         optimizer_in_backward: bool | Literal["auto"] = "auto",
         host_tier: HostTier = "auto",
+        host_budget: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -164,6 +167,9 @@ class TinyBackpropMixin:
                 "activations of their layers outside autograd's hooks; pass host_tier='off'"
             )
         self.host_tier: HostTier = host_tier
+        if host_budget is not None and (isinstance(host_budget, bool) or host_budget < 0):
+            raise ValueError(f"host_budget must be a number of bytes >= 0 or None, got {host_budget!r}")
+        self.host_budget = host_budget
         if optimizer_in_backward not in (True, False, "auto"):
             raise ValueError(f"optimizer_in_backward must be True, False or 'auto', got {optimizer_in_backward!r}")
         if (
@@ -240,6 +246,11 @@ class TinyBackpropMixin:
                 alternative=alternative,
                 alongside=self._alongside,
                 host_tier="off" if self.privacy is not None or not self.host_tier_supported else self.host_tier,
+                host_budget_bytes=(
+                    default_host_budget(getattr(self, "num_processes", 1))
+                    if self.host_budget is None
+                    else self.host_budget
+                ),
             )
             # Lightning's PyTorchProfiler starts its session inside the loop, after a CPU meter's could have
             # started, and torch runs one at a time: the plan is then checked only where no profiler runs

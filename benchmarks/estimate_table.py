@@ -102,6 +102,21 @@ SETUPS: dict[str, dict] = {
     "flux_lora_1024_b1": dict(model=flux, latent=128, batch=1, kind="flux", lora=16),
     "flux_lora_1024_b1_int8_base": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, base="int8"),
     "flux_lora_1024_b1_nf4_base": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, base="nf4"),
+    # the host tier on top (host_tier="auto" takes it where the device alone cannot meet a budget)
+    "sdxl_lora_1024_b4_host_tier": dict(
+        model=sdxl_unet, latent=128, batch=4, text=(77, 2048), kind="sdxl", lora=16, host_tier=True
+    ),
+    "sdxl_full_1024_b1_adamw8bit_in_backward_host_tier": dict(
+        model=sdxl_unet,
+        latent=128,
+        batch=1,
+        text=(77, 2048),
+        kind="sdxl",
+        in_backward=True,
+        optimizer="adamw8bit",
+        host_tier=True,
+    ),
+    "flux_lora_1024_b1_host_tier": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, host_tier=True),
 }
 
 
@@ -172,7 +187,12 @@ def main() -> None:
         if args.only and name not in args.only:
             continue
         started = time.perf_counter()
-        estimate = estimate_step(build_for(setup), device=CUDA, step_in_backward=setup.get("in_backward", False))
+        estimate = estimate_step(
+            build_for(setup),
+            device=CUDA,
+            step_in_backward=setup.get("in_backward", False),
+            host_tier=setup.get("host_tier", False),
+        )
         # the smallest device with a plan bounds every larger one: it fits there with a plan too
         fits = {
             f"{size // GiB}GiB": "as is"
@@ -185,6 +205,7 @@ def main() -> None:
             "optimizer": setup.get("optimizer", "adamw"),
             "in_backward": setup.get("in_backward", False),
             "base_quantization": setup.get("base"),
+            "host_tier": setup.get("host_tier", False),
             **estimate_dict(estimate),
             "fits_by_device": fits,
             "wall_seconds": time.perf_counter() - started,
@@ -193,7 +214,8 @@ def main() -> None:
         rows.append(row)
         print(
             f"{name}: naive {format_bytes(row['naive_peak_bytes'])}, smallest with a plan "
-            f"{format_bytes(row['minimum_device_bytes'])}, {fits}, {row['wall_seconds']:.0f} s "
+            f"{format_bytes(row['minimum_device_bytes'])} (host {format_bytes(row['minimum_plan_host_bytes'])}), "
+            f"{fits}, {row['wall_seconds']:.0f} s "
             f"(one estimate {estimate.estimate_seconds:.0f} s), max RSS {format_bytes(row['max_rss_bytes'])}",
             flush=True,
         )

@@ -27,6 +27,7 @@ from lightning_tbp.estimate import (
     StepNeedsValuesError,
     TrainingStep,
     estimate_config,
+    estimate_dict,
     estimate_step,
     format_estimate,
     lightning_step,
@@ -150,6 +151,24 @@ def test_a_config_that_does_not_fit_is_estimated_with_the_step_the_planner_would
         ["-c", config, "--trainer.strategy.init_args.optimizer_in_backward=false"], device_memory=1 << 20
     )
     assert off.with_step_in_backward is None
+
+
+def test_a_config_that_does_not_fit_on_the_device_alone_is_estimated_with_the_host_tier_too() -> None:
+    """Under tiny_backprop (host_tier='auto'), a device that neither the ordinary step nor the one
+    with the optimizer inside the backward fits is tried with the host tier: a smaller device,
+    the host bytes its plan keeps, and the report and JSON say so; host_tier=off does not."""
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    ordinary = estimate_config(["-c", config], device_memory=1 << 20)
+    hosted = ordinary.with_host_tier
+    fused = ordinary.with_step_in_backward
+    assert hosted is not None and fused is not None and hosted.host_tier and hosted.step_in_backward
+    assert hosted.minimum_device_bytes is not None and fused.minimum_device_bytes is not None
+    assert hosted.minimum_device_bytes < fused.minimum_device_bytes
+    assert hosted.minimum_plan_host_bytes > 0
+    assert "with the host tier" in format_estimate(ordinary)
+    assert estimate_dict(ordinary)["with_host_tier"]["minimum_plan_host_bytes"] == hosted.minimum_plan_host_bytes
+    off = estimate_config(["-c", config, "--trainer.strategy.init_args.host_tier=off"], device_memory=1 << 20)
+    assert off.with_host_tier is None
 
 
 def test_a_step_that_reads_tensor_values_is_refused_naming_the_line() -> None:

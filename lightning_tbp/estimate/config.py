@@ -105,12 +105,17 @@ def estimate_config(
         if step.layout.kind != "single":
             blocked.append("tbp estimate counts the step inside the backward on one device for now")
         modes.append((mode, blocked))
+        host_mode = getattr(trainer.strategy, "host_tier", "off")
+        host_allowed = privacy is None and getattr(trainer.strategy, "host_tier_supported", False)
+        host_modes.append(host_mode if host_allowed else "off")
         return step
 
     mixed: list[bool] = []
     modes: list[tuple[bool | str, list[str]]] = []
+    host_modes: list[str] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
     mode, blocked = modes[0]
+    host_mode = host_modes[0]
     if mode is True:
         if blocked:
             raise EstimateConfigError(f"optimizer_in_backward=True cannot run in this config: {'; '.join(blocked)}")
@@ -122,6 +127,20 @@ def estimate_config(
         # what the planner would take: the same step with the optimizer inside the backward
         estimate.with_step_in_backward = estimate_step(
             build, device=device, device_memory=device_memory, minimum=minimum, step_in_backward=True
+        )
+    fused = estimate.step_in_backward or estimate.with_step_in_backward is not None
+    still_out = estimate.fit is not None and not _fits(estimate)
+    if estimate.with_step_in_backward is not None:
+        still_out = still_out and not _fits(estimate.with_step_in_backward)
+    if host_mode == "on" or (host_mode == "auto" and still_out):
+        # what the planner would take on top: saved activations offloaded to host memory
+        estimate.with_host_tier = estimate_step(
+            build,
+            device=device,
+            device_memory=device_memory,
+            minimum=minimum,
+            step_in_backward=fused and (mode is True or not blocked),
+            host_tier=True,
         )
     if estimate.device == "cuda" and any(mixed):
         warnings.warn(

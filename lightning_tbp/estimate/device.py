@@ -31,6 +31,7 @@ so what differs on the target device is modelled here, and nothing else:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from lightning_tbp.estimate.live_bytes import rounded
@@ -46,6 +47,7 @@ class DeviceModel:
     library_workspace_bytes: int = 0
     foreach_optimizers: bool = False  # torch's optimizers default to their multi-tensor path here
     measures_workspaces: bool = False  # the kernels run on this machine: their workspaces are measured
+    host_link_bytes_per_second: float = 0.0  # copies to the host tier and back, each way (0: no host tier)
 
     def fill_costs(self, trace: Trace) -> None:
         """Give every traced op a forward and backward time (ns) from the roofline."""
@@ -59,18 +61,29 @@ class DeviceModel:
             trace.event_cost[event] = forward
             # a backward computes the gradients of the inputs (and of the weights for heavy ops)
             trace.event_backward_cost[event] = (2.0 if trace.event_traits[event].heavy else 1.0) * forward
+        if self.host_link_bytes_per_second:  # an offloaded byte crosses the link twice, not overlapped
+            per_byte = 2e9 / self.host_link_bytes_per_second
+            trace.overheads = dataclasses.replace(trace.overheads, offload_ns_per_byte=per_byte)
 
     def round_storages(self, trace: Trace) -> None:
         """Storage sizes as the device's allocator counts them."""
         trace.storage_bytes = [rounded(size, self.allocation_rounding) for size in trace.storage_bytes]
 
 
-#: An H100-class GPU at typical achieved rates (dense bf16 matmuls ~400 TFLOP/s, ~2.5 TB/s).
+#: An H100-class GPU at typical achieved rates (dense bf16 matmuls ~400 TFLOP/s, ~2.5 TB/s; pinned
+#: host copies ~25 GB/s each way, what PCIe Gen4 x16 reaches and Gen5 passes).
 CUDA = DeviceModel(
-    "cuda", 400e12, 2.5e12, allocation_rounding=512, library_workspace_bytes=2 * 33 * 1024**2, foreach_optimizers=True
+    "cuda",
+    400e12,
+    2.5e12,
+    allocation_rounding=512,
+    library_workspace_bytes=2 * 33 * 1024**2,
+    foreach_optimizers=True,
+    host_link_bytes_per_second=25e9,
 )
-#: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use.
-CPU = DeviceModel("cpu", 100e9, 10e9, measures_workspaces=True)
+#: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use (the
+#: host tier a memcpy into fresh memory, ~5 GB/s each way).
+CPU = DeviceModel("cpu", 100e9, 10e9, measures_workspaces=True, host_link_bytes_per_second=5e9)
 
 DEVICES = {"cuda": CUDA, "cpu": CPU}
 

@@ -48,6 +48,9 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         "with_step_in_backward": (
             None if estimate.with_step_in_backward is None else estimate_dict(estimate.with_step_in_backward)
         ),
+        "host_tier": estimate.host_tier,
+        "minimum_plan_host_bytes": estimate.minimum_plan_host_bytes,
+        "with_host_tier": None if estimate.with_host_tier is None else estimate_dict(estimate.with_host_tier),
     }
 
 
@@ -91,6 +94,21 @@ def format_estimate(estimate: StepEstimate) -> str:
         )
         if fused.fit is not None:
             lines.append("  " + _fit_line(fused.fit))
+    hosted = estimate.with_host_tier
+    if hosted is not None:
+        inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
+        lines.append(
+            "with the host tier (saved activations offloaded to host memory where the plan chooses"
+            f"{inside}; host_tier='auto' takes it by itself): naive peak {format_bytes(hosted.naive_peak_bytes)}"
+            + (
+                ""
+                if hosted.minimum_device_bytes is None
+                else f", smallest device with a plan {format_bytes(hosted.minimum_device_bytes)} "
+                f"(its plan keeps {format_bytes(hosted.minimum_plan_host_bytes)} on the host)"
+            )
+        )
+        if hosted.fit is not None:
+            lines.append("  " + _fit_line(hosted.fit))
     if estimate.unmeasured_workspace_ops:
         lines.append(
             f"  ({estimate.unmeasured_workspace_ops} ops too large to run on this machine: their kernels' temporaries "
@@ -107,8 +125,9 @@ def _fit_line(fit: PlanFit) -> str:
     if fit.fits_with_plan:
         return (
             f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "
-            f"{fit.planned_blocks} blocks recomputed, ~{fit.recompute_time_ratio:.0%} extra step time "
+            f"{fit.planned_blocks} blocks planned, ~{fit.recompute_time_ratio:.0%} extra step time "
             f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with "
             f"--trainer.strategy=tiny_backprop --trainer.strategy.memory_budget={fit.device_memory_bytes}"
+            + (f"; {format_bytes(fit.host_peak_bytes)} on the host tier" if fit.host_peak_bytes else "")
         )
     return f"does not fit in {size}: {fit.reason}"

@@ -120,6 +120,7 @@ class PlanFit:
     recompute_time_ratio: float | None = None
     recompute_flop_ratio: float | None = None
     planned_blocks: int = 0
+    host_peak_bytes: int = 0  # what the plan keeps on the host tier at once
     reason: str = ""
 
 
@@ -143,6 +144,7 @@ class StepEstimate:
     minimum_device_bytes: int | None  # with the lowest plan (None: not computed)
     minimum_plan_recompute_time_ratio: float | None
     estimate_seconds: float
+    minimum_plan_host_bytes: int = 0  # what the lowest plan keeps on the host tier at once
     step_model: str = "plain"
     gradients_at_forward: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     layout: str = "single"
@@ -151,6 +153,8 @@ class StepEstimate:
     fit: PlanFit | None = None
     step_in_backward: bool = False  # the optimizer steps each parameter inside the backward
     with_step_in_backward: StepEstimate | None = None  # the same step so, where "auto" would take it
+    host_tier: bool = False  # plans may offload saved activations to host memory
+    with_host_tier: StepEstimate | None = None  # the same step so, where host_tier="auto" would take it
 
     @property
     def held_bytes(self) -> int:
@@ -185,6 +189,7 @@ def estimate_step(
     device_memory: int | None = None,
     minimum: bool = True,
     step_in_backward: bool = False,
+    host_tier: bool = False,
 ) -> StepEstimate:
     """Estimate the training step that ``build`` makes (called under fake tensors).
 
@@ -193,7 +198,8 @@ def estimate_step(
     smallest device the lowest plan fits in (a solver run at an infeasible budget; seconds on
     models with hundreds of blocks). ``device``: the device modelled; by default the step's own
     (``TrainingStep.device``). ``step_in_backward``: the optimizer steps each parameter inside
-    the backward (``optimizer_in_backward``).
+    the backward (``optimizer_in_backward``). ``host_tier``: plans may offload saved activations
+    to host memory (copies priced at the device model's host link rate; no host budget).
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -258,7 +264,11 @@ def estimate_step(
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
-    solver = Solver(Simulator(trace, step_model, loop=loop), selective=step_model.backward_passes == 1)
+    if host_tier and step_model.backward_passes > 1:
+        raise ValueError(f"the host tier does not run with the {step_model.name} step (more than one backward pass)")
+    solver = Solver(
+        Simulator(trace, step_model, loop=loop), selective=step_model.backward_passes == 1, offload=host_tier
+    )
     target_naive = solver.naive().peak_bytes
     # what the kernels allocate beyond their outputs, where it falls in the step (measured here)
     unworked = dataclasses.replace(
@@ -287,6 +297,7 @@ def estimate_step(
         step_model=step_model.name,
         gradients_at_forward=loop.gradients,
         step_in_backward=step_in_backward,
+        host_tier=host_tier,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:
@@ -398,6 +409,7 @@ def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:
     step_bytes = estimate.around_target_bytes + min(solver.naive().peak_bytes, budget_for_peak(lowest.peak_bytes))
     estimate.minimum_device_bytes = estimate.held_bytes + max(step_bytes, estimate.optimizer_step_peak_bytes)
     estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, lowest)[0]
+    estimate.minimum_plan_host_bytes = lowest.host_peak_bytes
 
 
 def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
@@ -422,4 +434,5 @@ def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
     )
     fit.recompute_time_ratio, fit.recompute_flop_ratio = _plan_ratios(solver, planned)
     fit.planned_blocks = sum(1 for option in solution.options[1:] if option)
+    fit.host_peak_bytes = planned.host_peak_bytes
     return fit

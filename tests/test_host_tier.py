@@ -231,3 +231,13 @@ def test_plans_keep_within_the_host_budget_and_say_so() -> None:
         plan.remove()
     with pytest.raises(ValueError, match="host_budget must be"):
         TinyBackpropStrategy(host_budget=-1)
+
+
+def test_a_device_budget_below_what_training_holds_is_refused_with_what_the_device_and_host_need() -> None:
+    module = ZooModule("flux", batch=8)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=8)
+    with pytest.raises(InfeasibleBudgetError, match="none left for the step") as error:
+        _fit(module, loader, TinyBackpropStrategy(memory_budget=1 << 20), max_steps=1)
+    notes = "\n".join(error.value.__notes__)
+    assert "short)" in notes and "or more fits" in notes  # what the device must hold, as a device budget
+    assert "with the host tier" in notes and "on the host tier" in str(error.value)  # and what the host would

@@ -435,7 +435,9 @@ class Plan:
                 error.add_note(f"{alternative.action} would lower the minimum to {within}{blocked}")
                 raise error from None
             # the fraction it names is of the user's loop's naive peak, as the budget's is
-            reached = InfeasibleBudgetError(lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes)
+            reached = InfeasibleBudgetError(
+                lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes, lower.host_bytes
+            )
             for note in getattr(lower, "__notes__", []):
                 reached.add_note(note)
             reached.add_note(

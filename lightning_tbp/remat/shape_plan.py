@@ -216,7 +216,9 @@ def _explain(
     if held is not None and budget.kind == "bytes":
         error.add_note(
             f"the budget {budget.describe()} is the device's total, and training holds {describe_held(held)} "
-            f"outside the step, which leaves {format_bytes(budget_bytes)}; a device budget of "
+            f"outside the step, which leaves "
+            f"{format_bytes(budget_bytes) if budget_bytes >= 0 else f'nothing ({format_bytes(-budget_bytes)} short)'}"
+            "; a device budget of "
             f"{format_bytes(error.minimum_budget_bytes + held.total)} "
             f"({error.minimum_budget_bytes + held.total} bytes) or more fits"
         )

@@ -71,14 +71,21 @@ def budget_for_peak(peak_bytes: int) -> int:
 class InfeasibleBudgetError(ValueError):
     """The memory budget is below the smallest peak any plan reaches."""
 
-    def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int) -> None:
+    def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int, host_bytes: int = 0) -> None:
+        """``host_bytes``: what the lowest plan keeps on the host tier (0: nothing)."""
         minimum = budget_for_peak(minimum_peak_bytes)
         self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
-        self.minimum_peak_bytes = minimum_peak_bytes
+        self.minimum_peak_bytes, self.host_bytes = minimum_peak_bytes, host_bytes
+        budget = (
+            f"memory budget {format_bytes(budget_bytes)}"
+            if budget_bytes >= 0
+            else "memory budget (none left for the step: see below)"
+        )
+        host = f", keeping {format_bytes(host_bytes)} on the host tier" if host_bytes else ""
         super().__init__(
-            f"memory budget {format_bytes(budget_bytes)} is below the minimum feasible budget "
+            f"{budget} is below the minimum feasible budget "
             f"{format_bytes(minimum)} ({minimum / naive_bytes:.3f} of the naive peak "
-            f"{format_bytes(naive_bytes)}; the lowest plan peaks at {format_bytes(minimum_peak_bytes)}, "
+            f"{format_bytes(naive_bytes)}; the lowest plan peaks at {format_bytes(minimum_peak_bytes)}{host}, "
             f"plus a {PLANNING_MARGIN:.0%} margin); pass memory_budget >= {minimum} (bytes) "
             f"or >= {math.ceil(minimum / naive_bytes * 1000) / 1000:.3f} (fraction)"
         )
@@ -144,7 +151,7 @@ class Solver:
         if not candidates:
             options, result = self.lowest(target_bytes)
             if result.peak_bytes > target_bytes:
-                raise InfeasibleBudgetError(budget_bytes, result.peak_bytes, naive.peak_bytes)
+                raise InfeasibleBudgetError(budget_bytes, result.peak_bytes, naive.peak_bytes, result.host_peak_bytes)
             candidates.append((options, result))
         unique = {tuple(o): (o, r) for o, r in candidates}.values()
         keep = 1 if self.large else _PRUNED_CANDIDATES

@@ -17,8 +17,8 @@ The host is pinned memory on CUDA. On a CPU the device and the host are the same
 tier is emulated by host buffers that numpy allocates, which the profiler's memory events (the
 exact CPU meter, ``memory/cpu.py``) do not count, so a test on this CPU measures the
 device-resident peak exactly. Copies are synchronous in this first form (no side stream): the
-planner charges their measured time (``overheads.StepOverheads.offload_ns_per_byte``) as
-the option's cost.
+planner charges their measured time (``overheads.StepOverheads``: ``offload_ns_per_byte`` and
+``offload_save_ns``) as the option's cost.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import pytest
 import torch
 from models import max_relative_difference
 from test_loop_truth import _assert_the_promise_holds, _fit
+from test_plan_fidelity import _measured
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
@@ -84,11 +85,22 @@ def _seeded(case):
     return step
 
 
-def _measured(model, step) -> int:
-    step()
-    model.zero_grad(set_to_none=True)
-    gc.collect()
-    return measure_peak(step).peak_bytes
+def _reference_grads(case) -> dict[str, torch.Tensor]:
+    """Plain autograd's gradients of the case's seeded step (the model left without any)."""
+    _seeded(case)()
+    reference = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    return reference
+
+
+def _assert_the_step_keeps_the_plans_word(case, shape_plan, reference: dict[str, torch.Tensor]) -> None:
+    """The planned step's exact device peak within the budget and 5% of the prediction, and
+    plain autograd's gradients."""
+    measured = _measured(case.model, _seeded(case))
+    assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes)
+    assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE, (measured, shape_plan.predicted_peak_bytes)
+    grads = {n: p.grad for n, p in case.model.named_parameters() if p.grad is not None}
+    assert max_relative_difference(grads, reference) <= 1e-6
 
 
 @pytest.mark.parametrize("name", ["unet2d", "dit", "flux", "sdxl_unet", "sd3"])
@@ -98,9 +110,7 @@ def test_plans_with_the_host_tier_go_below_what_recomputation_reaches_and_keep_t
     gradients; something is offloaded and the host bytes are reported."""
     case = ZOO[name].case(batch=8)
     model = case.model
-    _seeded(case)()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    reference = _reference_grads(case)
     without = _lowest(model, case, "off")
     with_host = _lowest(model, case, "on")
     assert with_host < without, (with_host, without)
@@ -111,16 +121,9 @@ def test_plans_with_the_host_tier_go_below_what_recomputation_reaches_and_keep_t
         assert shape_plan.planned.host_peak_bytes > 0
         assert "host tier:" in plan.report()
         host_use.reset_peak()
-        measured = _measured(model, _seeded(case))
-        assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes)
-        assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE, (
-            measured,
-            shape_plan.predicted_peak_bytes,
-        )
+        _assert_the_step_keeps_the_plans_word(case, shape_plan, reference)
         assert host_use.live == 0  # every host copy went with the step's graph
         assert abs(host_use.peak / shape_plan.planned.host_peak_bytes - 1) <= TOLERANCE
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert max_relative_difference(grads, reference) <= 1e-6
     finally:
         plan.remove()
 
@@ -132,20 +135,13 @@ def test_held_out_architectures_keep_the_plans_word_with_the_host_tier(name: str
     lowest budget it names where half is out of reach)."""
     case = HELD_OUT[name].case(batch=4)
     model = case.model
-    _seeded(case)()
-    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
+    reference = _reference_grads(case)
     try:
         plan = rematerialize(model, *case.args, memory_budget=0.5, host_tier="on", **case.kwargs)
     except InfeasibleBudgetError as error:
         plan = rematerialize(model, *case.args, memory_budget=error.minimum_budget_bytes, host_tier="on", **case.kwargs)
     try:
-        shape_plan = plan.current
-        measured = _measured(model, _seeded(case))
-        assert measured <= shape_plan.budget_bytes, (measured, shape_plan.budget_bytes)
-        assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
-        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-        assert max_relative_difference(grads, reference) <= 1e-6
+        _assert_the_step_keeps_the_plans_word(case, plan.current, reference)
     finally:
         plan.remove()
 

@@ -139,7 +139,7 @@ def estimate_config(
             device=device,
             device_memory=device_memory,
             minimum=minimum,
-            step_in_backward=fused and (mode is True or not blocked),
+            step_in_backward=fused,
             host_tier=True,
         )
     if estimate.device == "cuda" and any(mixed):

@@ -187,6 +187,11 @@ class InstalledWrappers:
         if Option.OFFLOAD in self.options.values():
             self.resident.reset([*self.root.parameters(), *self.root.buffers(), *inputs])
 
+    @property
+    def hooked(self) -> bool:
+        """Whether each call of the root begins a step by itself (its pre-hook is in place)."""
+        return self._root_hook is not None
+
     def ensure(self, keys: Iterable[str]) -> None:
         missing = {module_path(k) for k in keys} - self._wrapped.keys()
         if not missing:

@@ -259,13 +259,16 @@ class Plan:
     def _before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._planning or not torch.is_grad_enabled():
             return
+        hooked = self._wrappers.hooked
         self._inside_call = True
         try:
             self.plan_for(args, kwargs)
         finally:
             self._inside_call = False
-        # the wrappers' own hook on this module was not yet there if this call installed them
-        self._wrappers.begin_step(leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor))
+        if not hooked and self._wrappers.hooked:  # installed by this call: their own hook runs from the next
+            self._wrappers.begin_step(
+                leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
+            )
 
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._planning:

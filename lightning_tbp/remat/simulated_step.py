@@ -382,6 +382,7 @@ class SimulatedStep:
                 copies += 1
                 self.host += sizes[sid] if key not in self.host_refs else 0
             self.host_refs[key] = self.host_refs.get(key, 0) + 1
+        if event in self.offloaded:
             self.host_block[event] = block
         self.host_peak = max(self.host_peak, self.host)
         if self.host_peak > self.host_limit_bytes and self.limit_bytes < math.inf:

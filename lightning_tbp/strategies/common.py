@@ -139,7 +139,8 @@ class TinyBackpropMixin:
             memory available at setup, split between the processes of one node).
     """
 
-    #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the step).
+    #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the
+    #: step: the host tier would copy them out as activations).
     host_tier_supported = True
 
     def __init__(
@@ -161,6 +162,12 @@ class TinyBackpropMixin:
         super().__init__(**kwargs)
         if host_tier not in ("off", "on", "auto"):
             raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
+        if host_tier == "on" and not self.host_tier_supported:
+            raise ValueError(
+                f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (the "
+                "weights it gathers for each unit are made inside the step, so the host tier would copy them out "
+                "as activations); use tiny_backprop or tiny_backprop_ddp"
+            )
         if host_tier == "on" and dp is not None:
             raise ValueError(
                 f"host_tier='on' cannot be combined with dp={dp!r} yet: the DP engines read the saved "
@@ -245,7 +252,7 @@ class TinyBackpropMixin:
                 ),
                 alternative=alternative,
                 alongside=self._alongside,
-                host_tier="off" if self.privacy is not None or not self.host_tier_supported else self.host_tier,
+                host_tier=self.host_tier if self.host_tier_supported else "off",
                 host_budget_bytes=(
                     default_host_budget(getattr(self, "num_processes", 1))
                     if self.host_budget is None

@@ -136,11 +136,6 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("dp") is not None:
             raise ValueError("dp is not available with tiny_backprop_fsdp; use tiny_backprop_ddp")
-        if kwargs.get("host_tier") == "on":
-            raise ValueError(
-                "host_tier is not available with tiny_backprop_fsdp (it gathers each unit's weights inside "
-                "the step); use tiny_backprop or tiny_backprop_ddp"
-            )
         super().__init__(*args, **kwargs)
 
     @override
@@ -236,12 +231,6 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
             raise ValueError(
                 "dp is not available with tiny_backprop_fsdp2 yet (the privacy engine needs plain "
                 "parameters, FSDP2 shards them into DTensors); use tiny_backprop_ddp"
-            )
-        if kwargs.get("host_tier") == "on":
-            raise ValueError(
-                "host_tier is not available with tiny_backprop_fsdp2 yet (the weights it gathers for each "
-                "block are made inside the step, so the host tier would copy them out as activations); "
-                "use tiny_backprop or tiny_backprop_ddp"
             )
         super().__init__(*args, **kwargs)
         self.reshard_after_forward = reshard_after_forward

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import FakeTensor
 from lightning_tbp.memory.breakdown import plain_tensors, tensor_bytes
+from lightning_tbp.memory.homes import home_of
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim.choice import is_low_bit
 
@@ -49,7 +50,13 @@ def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], 
     optimizers = list(optimizers)
     existing = tensor_bytes(module, optimizers, device)
     pending = sum(_pending_state_bytes(optimizer, device) for optimizer in optimizers)
-    return HeldMemory(existing.parameters, existing.optimizer_state + pending, pending)
+    # weights streamed from the host count where they were loaded (plans count from there)
+    streamed = sum(
+        local_bytes(p)
+        for p in module.parameters()
+        if (home := home_of(p)) is not None and home.type == device.type and p.device.type != device.type
+    )
+    return HeldMemory(existing.parameters + streamed, existing.optimizer_state + pending, pending)
 
 
 def _pending_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:

@@ -1,5 +1,6 @@
 """Execute a plan: wrap planned blocks in non-reentrant ``torch.utils.checkpoint`` (or run them
-lazily, ``lazy.py``, or with their saves offloaded to host memory, ``host_tier.py``).
+lazily, ``lazy.py``, with their saves offloaded to host memory, ``host_tier.py``, or with
+their frozen weights streamed from it, ``host_weights.py``).
 
 Each planned module gets an instance-level ``forward`` that calls the class ``forward`` under a
 checkpoint; deleting that attribute restores the module exactly (its parameters, buffers,
@@ -30,6 +31,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_tbp.compat import OpOverload, tree_flatten, tree_unflatten
 from lightning_tbp.remat.host_tier import Resident, offloaded_saves
+from lightning_tbp.remat.host_weights import HostWeights, with_weights
 from lightning_tbp.remat.lazy import lazy_recompute
 from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.options import Option
@@ -82,15 +84,9 @@ class CallCounts:
         self._counts.update(snapshot)
 
 
-def _checkpointed_forward(
-    module: nn.Module,
-    options: Mapping[str, Option],
-    cache_limits: Mapping[str, int],
-    counts: CallCounts,
-    resident: Resident,
-    path: str,
-) -> Callable[..., Any]:
+def _checkpointed_forward(module: nn.Module, wrappers: InstalledWrappers, path: str) -> Callable[..., Any]:
     original = type(module).forward.__get__(module)
+    options, counts = wrappers.options, wrappers.counts
 
     @functools.wraps(original)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -102,13 +98,15 @@ def _checkpointed_forward(
             with lazy_recompute(), inside_planned_block():
                 return original(*args, **kwargs)
         if option == Option.OFFLOAD:  # no recompute either
-            with offloaded_saves(resident), inside_planned_block():
+            with offloaded_saves(wrappers.resident), inside_planned_block():
                 return original(*args, **kwargs)
         extra: dict[str, Any] = {}
         if option == Option.SELECTIVE:
-            limit = cache_limits[key]
+            limit = wrappers.cache_limits[key]
             extra["context_fn"] = lambda: create_selective_checkpoint_contexts(_CacheFirstHeavyOps(limit))
         call, tensors = _positional_call(original, args, kwargs, counts)
+        if option == Option.STREAM:
+            call = with_weights(call, wrappers.weights, module, wrappers.streamed[key])
         recorder = recorder_for(module) if option == Option.FULL else None
         recorded = CheckpointedCall.capture(key, call, tensors) if recorder is not None else None
         if recorded is None or recorder is None or not recorder.record_checkpoint(recorded):
@@ -162,19 +160,28 @@ def _positional_call(
 class InstalledWrappers:
     """Checkpoint wrappers on a module tree; ``remove()`` restores every module.
 
-    ``options`` (and, for selective blocks, ``cache_limits``: how many heavy-op outputs to cache)
-    are keyed by call (``trace.call_key``), shared with the owner and read at call time;
+    ``options`` (and, for selective blocks, ``cache_limits``: how many heavy-op outputs to cache;
+    for streamed blocks, ``streamed``: their weights' names in the block) are keyed by call
+    (``trace.call_key``), shared with the owner and read at call time;
     ``ensure`` wraps the modules a new plan's keys name, and calls whose key is absent from
     ``options`` behave as unwrapped. Each call of ``root`` begins a step (:meth:`begin_step`):
     the trace a plan is made from is one call of it.
     """
 
-    def __init__(self, root: nn.Module, options: Mapping[str, Option], cache_limits: Mapping[str, int]) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        options: Mapping[str, Option],
+        cache_limits: Mapping[str, int],
+        streamed: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
         self.root = root
         self.options = options
         self.cache_limits = cache_limits
+        self.streamed = streamed if streamed is not None else {}
         self.counts = CallCounts()
         self.resident = Resident()  # what offloaded blocks leave on the device (``host_tier.py``)
+        self.weights = HostWeights(root)  # what streamed blocks keep on the host (``host_weights.py``)
         self._wrapped: dict[str, nn.Module] = {}
         self._root_hook: RemovableHandle | None = None
 
@@ -211,12 +218,20 @@ class InstalledWrappers:
                 f"module {path!r} already has an instance-level forward (another wrapper?); "
                 "lightning_tbp wraps modules by setting one and cannot stack on top of it"
             )
-        module.forward = _checkpointed_forward(
-            module, self.options, self.cache_limits, self.counts, self.resident, path
-        )
+        module.forward = _checkpointed_forward(module, self, path)
         self._wrapped[path] = module
 
+    def place_weights(self) -> None:
+        """Keep on the host the weights of the blocks the options stream, and only those."""
+        self.weights.place(
+            f"{module_path(key)}.{name}" if module_path(key) else name
+            for key, option in self.options.items()
+            if option == Option.STREAM
+            for name in self.streamed[key]
+        )
+
     def remove(self) -> None:
+        self.weights.remove()
         for module in self._wrapped.values():
             del module.forward
         self._wrapped.clear()

@@ -17,7 +17,9 @@ from lightning_tbp.remat.trace import Trace
 class BlockTree:
     """Per-block facts of one trace, computed once per solver."""
 
-    def __init__(self, trace: Trace) -> None:
+    def __init__(self, trace: Trace, block_weights: list[list[int]] | None = None) -> None:
+        """``block_weights``: per block, the frozen weights streaming it moves to the host
+        (``TraceFacts.block_weights``; None: none)."""
         self.trace = trace
         self.nodes = trace.nodes
         n = len(self.nodes)
@@ -28,6 +30,9 @@ class BlockTree:
         self.save_count = [0] * n
         self.offload_bytes = [0] * n  # what an offload of the block copies to the host and back
         self.offload_count = [0] * n  # in how many saved tensors
+        weights = block_weights or [[] for _ in range(n)]
+        self.stream_bytes = [sum(trace.storage_bytes[sid] for sid in sids) for sids in weights]
+        self.stream_count = [len(sids) for sids in weights]
         for node in self.nodes:
             if not node.has_events:
                 continue
@@ -69,6 +74,10 @@ class BlockTree:
             hooks = self.save_count[index] * overheads.checkpoint_save_ns  # each save packed and unpacked in Python
             copies = self.offload_count[index] * overheads.offload_save_ns
             cost = self.offload_bytes[index] * overheads.offload_ns_per_byte + copies + hooks
+        elif option == Option.STREAM:  # a full checkpoint, and its weights copied in twice
+            copies = self.stream_bytes[index] * overheads.offload_ns_per_byte
+            copies += self.stream_count[index] * overheads.offload_save_ns
+            return (self.subtree_cost[index] + checkpoint) * self.trace.option_scale.get(Option.FULL, 1.0) + copies
         else:
             return 0.0
         return cost * self.trace.option_scale.get(option, 1.0)

@@ -32,8 +32,16 @@ def singleton_prices(tree: BlockTree, holdings: Holdings, options: Sequence[Opti
             continue
         full = freed_full[node.index] - tree.kept_inputs(node.index, holdings, lca)
         selective = full - tree.cache_bytes(node.index, holdings, lca)
-        freed = {Option.FULL: full, Option.SELECTIVE: selective, Option.LAZY: selective, Option.OFFLOAD: full}
+        freed = {
+            Option.FULL: full,
+            Option.SELECTIVE: selective,
+            Option.LAZY: selective,
+            Option.OFFLOAD: full,
+            Option.STREAM: full + tree.stream_bytes[node.index],
+        }
         for option in options:
+            if option == Option.STREAM and not tree.stream_bytes[node.index]:
+                continue
             prices[node.index, option] = (tree.cost_of(node.index, option), freed[option])
     return prices
 

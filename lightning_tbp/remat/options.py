@@ -19,15 +19,20 @@ class Option(IntEnum):
     """No checkpoint: saved outputs of cheap ops become recipes rebuilt on demand (``lazy.py``)."""
     OFFLOAD = 4
     """No checkpoint: saved activations go to host memory and come back op by op (``host_tier.py``)."""
+    STREAM = 5
+    """Checkpoint the whole block, its frozen weights kept in host memory: copied in for its
+    forward and again for its recompute, and dropped after each (``host_weights.py``)."""
 
 
 #: Options that run the block under ``torch.utils.checkpoint``.
-CHECKPOINTS = (Option.FULL, Option.SELECTIVE)
+CHECKPOINTS = (Option.FULL, Option.SELECTIVE, Option.STREAM)
 #: Options that keep a block's subtree plain and must not sit under a checkpoint: torch keeps a
 #: selective region's cache alive for the whole enclosing checkpoint, a lazy block's recipes
 #: would be recorded again by every recompute, and an offloaded block's saves would be copied
-#: out by the forward and again by every recompute (whose saves the checkpoint holds anyway).
-SOFT = (Option.SELECTIVE, Option.LAZY, Option.OFFLOAD)
+#: out by the forward and again by every recompute (whose saves the checkpoint holds anyway). A
+#: streamed block's weights are its own: an enclosing recompute would run it with weights it
+#: never brought in, and a checkpoint inside would copy them in again for its own recompute.
+SOFT = (Option.SELECTIVE, Option.LAZY, Option.OFFLOAD, Option.STREAM)
 #: Soft options that keep some of the block's tensors on the device (heavy-op outputs, recipe leaves).
 KEEPS_SOME = (Option.SELECTIVE, Option.LAZY)
 
@@ -60,12 +65,15 @@ def next_options(current: Option, *, checkpointed_above: bool, plain_below: bool
     if current == Option.KEEP:
         return (Option.FULL, *SOFT) if soft_allowed else (Option.FULL,)
     if current == Option.SELECTIVE:
-        return (Option.FULL, Option.LAZY, Option.OFFLOAD)  # no block-wide recompute
+        return (Option.FULL, Option.LAZY, Option.OFFLOAD, Option.STREAM)  # no block-wide recompute
     if current in (Option.LAZY, Option.OFFLOAD):
-        return (Option.FULL,)
-    return (Option.LAZY, Option.OFFLOAD) if soft_allowed else ()  # a full block whose recompute is the peak
+        return (Option.FULL, Option.STREAM)
+    if current == Option.STREAM:
+        return ()
+    # a full block whose recompute is the peak, or whose weights are
+    return (Option.LAZY, Option.OFFLOAD, Option.STREAM) if soft_allowed else ()
 
 
 def clears_soft_below(option: Option) -> bool:
     """Whether choosing ``option`` for a block turns soft options inside it back to KEEP."""
-    return option == Option.FULL
+    return option in (Option.FULL, Option.STREAM)

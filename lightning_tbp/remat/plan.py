@@ -17,6 +17,7 @@ same one (the strategies give one built on collectives; see ``strategies/common.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -176,7 +177,8 @@ class Plan:
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
         self._active: dict[str, Option] = {}
         self._cache_limits: dict[str, int] = {}
-        self._wrappers = InstalledWrappers(module, self._active, self._cache_limits)
+        self._streamed: dict[str, tuple[str, ...]] = {}
+        self._wrappers = InstalledWrappers(module, self._active, self._cache_limits, self._streamed)
         self._planning = False
         self._inside_call = False  # planning from the module's own forward pre-hook
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -202,17 +204,20 @@ class Plan:
                 )
             finally:
                 release_random_tiles()  # the stand-ins' values, no longer needed
+                # a solve that tried alternatives caught their errors, whose tracebacks hold the frames
+                # they were raised from in cycles, and with them this call's inputs: gone before the step
+                gc.collect()
             self.shape_plans[key] = planned
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(planned))
         elif self.batch_ceiling is not None:
             self._check_ceiling(batch)
+        self._activate(planned)  # before a meter starts: streamed weights move to the host here
         if self.measure and (fresh or key in self._meter_next):
             self._meter_next.discard(key)
             self._metered, self._metered_batch = planned, batch  # checked after this step (metered if it can be)
             # a batch below the profiled ceiling (Poisson sampling) is checked against the budget only
             if self._comparable_step():
                 self._meter.start(_device_of(self.module, args, kwargs))
-        self._activate(planned)
         return planned
 
     def _alongside(self, args: tuple, kwargs: dict, batch: int | None) -> Alongside:
@@ -323,6 +328,14 @@ class Plan:
         self, key: Signature, signature: Signature, args: tuple, kwargs: dict, alongside: Alongside
     ) -> ShapePlan:
         """Profile this call (the plain module, not the plan in force) and solve it."""
+        device = _device_of(self.module, args, kwargs)
+        if self._wrappers.weights.moved_bytes and device.type != "cpu":
+            raise NotImplementedError(
+                f"a new input shape {signature} after this plan moved frozen weights to the host: the profile "
+                "runs the plain module, and streamed weights are not on the device. Plan every shape before "
+                "the host tier streams weights, give fixed shapes (batch_ceiling= for varying batches), or pass "
+                "host_tier='off'"
+            )
         self._planning = True
         active = dict(self._active)
         self._active.clear()
@@ -496,7 +509,17 @@ class Plan:
         self._active.update(shape_plan.options)
         self._cache_limits.clear()
         self._cache_limits.update(shape_plan.cache_limits)
+        self._streamed.clear()
+        self._streamed.update(shape_plan.streamed)
+        self._wrappers.place_weights()
         self.current = shape_plan
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of frozen weights this plan keeps on the host now (``host_weights.py``): off the
+        device, against the parameters as loaded, so a meter that started before they left (it
+        never saw the frees) or after reads this much above the plan's frame."""
+        return self._wrappers.weights.moved_bytes
 
     # -- checking plans against what happens --------------------------------------------------------
     def finish_measurement(self) -> ShapePlan | None:
@@ -507,9 +530,10 @@ class Plan:
         shape_plan, self._metered = self._metered, None
         if shape_plan is not None and reading is not None:
             # the meter starts at the forward, where what the loop keeps beside the step is alive
+            # and the weights streamed from the host are off the device, against the parameters as loaded
             profile = self._profiles.get(self._key_of(shape_plan))
             beside = 0 if profile is None else profile.alongside.total
-            reading = replace(reading, peak_bytes=reading.peak_bytes + beside)
+            reading = replace(reading, peak_bytes=reading.peak_bytes + beside - self.streamed_bytes)
             self._record(shape_plan, reading, self._metered_batch)
         return shape_plan
 
@@ -592,14 +616,17 @@ class Plan:
         finally:
             reading = self._meter.stop()
         assert reading is not None
+        reading = replace(reading, peak_bytes=reading.peak_bytes - self.streamed_bytes)
         measured = reading.peak_bytes
         shape_plan = self._require(None)  # the plan the step ran (it may have made one for a new shape)
         self._record(shape_plan, reading, shape_plan.batch_size)
-        verdict = Verification(shape_plan.predicted_peak_bytes, measured, shape_plan.budget_bytes)
+        verdict = Verification(
+            shape_plan.predicted_peak_bytes, measured, shape_plan.budget_bytes, streamed_bytes=shape_plan.streamed_bytes
+        )
         if verdict.within_budget:
             return verdict
         self.correct(shape_plan, verdict.ratio)
-        return Verification(verdict.predicted_bytes, measured, verdict.budget_bytes, replanned=True)
+        return replace(verdict, replanned=True)
 
     # -- lifecycle and reports --------------------------------------------------------------------
     def remove(self) -> None:

@@ -35,6 +35,7 @@ from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
+from lightning_tbp.remat.host_weights import frozen_weights
 from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
@@ -66,6 +67,7 @@ class _Recorder(TorchDispatchMode):
         self.node_stack = node_stack
         self.key_to_sid: dict[int, int] = {}
         self.pending_saves: list[int] = []
+        self.pending_resident_saves: list[int] = []
         # quantized weights an event's forward reads, and those saved at an event for its
         # backward: each dequantizes them, inside the subclass where no recorder sees it
         self.read_quantized: dict[int, list[torch.Tensor]] = {}
@@ -127,6 +129,7 @@ class _Recorder(TorchDispatchMode):
         input_set = set(inputs)
         partial = {sid: size for sid, size in seen.items() if size < trace.storage_bytes[sid]}
         saves = self._settle_saves(input_set)  # before this op becomes the last event
+        resident_saves = self._settle_resident_saves(input_set)
         grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
         outputs: list[int] = []
         output_sids: list[int | None] = []  # of every output tensor, in order (for the calibrator)
@@ -163,6 +166,7 @@ class _Recorder(TorchDispatchMode):
         trace.event_partial_inputs.append(partial)
         trace.event_outputs.append(tuple(outputs))
         trace.event_saves.append(saves)
+        trace.event_resident_saves.append(resident_saves)
         trace.event_traits.append(traits)
         trace.event_flops.append(flops)
         trace.event_cost.append(0.0)  # measured after the forward
@@ -176,8 +180,22 @@ class _Recorder(TorchDispatchMode):
             self.saved_quantized.setdefault(self.trace.num_events - 1, []).append(tensor)
             return
         sid = self.sid_of(tensor)
-        if sid is not None and self.trace.storage_is_activation[sid]:  # parameters/buffers are not activations
+        if sid is None:
+            return
+        if self.trace.storage_is_activation[sid]:
             self.pending_saves.append(sid)
+        else:  # parameters, buffers and inputs are no activations, but their packs count
+            self.pending_resident_saves.append(sid)
+
+    def _settle_resident_saves(self, next_inputs: set[int]) -> list[int]:
+        """Split the resident storages saved since the last op: autograd saves a parameter as an
+        input, before its op runs, so one the new op reads is the new op's; the rest the last op's."""
+        last = self.trace.num_events - 1
+        mine = [sid for sid in self.pending_resident_saves if sid in next_inputs or last < 0]
+        if last >= 0:
+            self.trace.event_resident_saves[last].extend(s for s in self.pending_resident_saves if s not in next_inputs)
+        self.pending_resident_saves = []
+        return mine
 
     def _settle_saves(self, next_inputs: set[int]) -> list[int]:
         """Split the saves made since the last op between it and the op now dispatching.
@@ -207,9 +225,10 @@ class _Recorder(TorchDispatchMode):
         return mine
 
     def finish(self) -> None:
-        if self.pending_saves and self.trace.num_events:
+        if self.trace.num_events:
             self.trace.event_saves[-1].extend(self.pending_saves)
-        self.pending_saves = []
+            self.trace.event_resident_saves[-1].extend(self.pending_resident_saves)
+        self.pending_saves, self.pending_resident_saves = [], []
 
 
 _DEQUANTIZATION_PEAKS: dict[tuple, int] = {}
@@ -332,6 +351,7 @@ def record_trace(
 
     for param in module.parameters():
         recorder.sid_of(param)
+    trace.frozen_weights = frozen_weights(module, recorder.sid_of)
     for buf in module.buffers():
         recorder.sid_of(buf)
     for tensor in _tensors((args, kwargs)):

@@ -60,7 +60,7 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     if sp.measured_peak_bytes is not None:
         within = "within" if sp.measured_peak_bytes <= sp.budget_bytes else "OVER"
         against = (
-            f"{sp.measured_peak_bytes / sp.predicted_peak_bytes:.3f} of predicted"
+            f"{sp.ratio(sp.measured_peak_bytes, sp.predicted_peak_bytes):.3f} of predicted"
             if sp.measured_at_planned_batch
             else f"at batch {sp.measured_batch_size} of up to {sp.batch_size}"
         )

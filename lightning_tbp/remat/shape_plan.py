@@ -71,6 +71,9 @@ class ShapePlan:
     measured_loss_bytes: int | None = None  # the loss of the metered step (``verify.StepReading``)
     measured_step_ns: float | None = None  # median time of its timed steps (``verify.StepClock``)
     host_budget_bytes: float = float("inf")  # the most the host tier may hold (inf: no host tier)
+    # per streamed block: the names, in the block, of the weights it streams (``host_weights.py``)
+    streamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    streamed_bytes: int = 0  # their bytes, off the device against the parameters as loaded
 
     @property
     def measured_at_planned_batch(self) -> bool:
@@ -83,6 +86,13 @@ class ShapePlan:
     def predicted_peak_bytes(self) -> int:
         """The highest of the loop's cases (``loop``)."""
         return self.planned.peak_bytes
+
+    def ratio(self, measured_bytes: int, reference_bytes: int) -> float:
+        """``measured_bytes`` over ``reference_bytes`` (a prediction, a budget), both counted
+        above what stays on the device outside the step: against the parameters as loaded, a plan
+        that streams weights (``streamed_bytes``) can peak below zero, so those bytes come back
+        in, and the ratio reads as one of device levels."""
+        return (measured_bytes + self.streamed_bytes) / max(reference_bytes + self.streamed_bytes, 1)
 
     def predicted_case_bytes(self, case: PriorGradients) -> int:
         """The predicted peak of a step in ``case`` (with the gradients the loop holds then)."""
@@ -160,7 +170,8 @@ def solve_shape(
         options, planned, solve_seconds = [Option.KEEP] * len(trace.nodes), naive, 0.0
     else:
         try:
-            solution = solver.solve(int(budget_bytes / correction))
+            # divided by the correction, in the frame of ``ShapePlan.ratio`` (a budget below zero, too)
+            solution = solver.solve(int(budget_bytes - abs(budget_bytes) * (1 - 1 / correction)))
         except InfeasibleBudgetError as error:
             if not budget.is_fraction_default(device):
                 explain(error)
@@ -182,6 +193,17 @@ def solve_shape(
         cache_limits={
             trace.nodes[i].key: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE
         },
+        streamed={
+            trace.nodes[i].key: streamed_names(trace, simulator.facts.block_weights[i], trace.nodes[i].path)
+            for i, o in enumerate(options)
+            if o == Option.STREAM
+        },
+        streamed_bytes=sum(
+            trace.storage_bytes[sid]
+            for i, o in enumerate(options)
+            if o == Option.STREAM
+            for sid in simulator.facts.block_weights[i]
+        ),
         budget_bytes=budget_bytes,
         held=held,
         naive=naive,
@@ -202,6 +224,12 @@ def solve_shape(
         loss_measured=loss_measured,
         host_budget_bytes=simulator.host_budget_bytes,
     )
+
+
+def streamed_names(trace: Trace, sids: list[int], path: str) -> tuple[str, ...]:
+    """The names, relative to the block at ``path``, of the frozen weights ``sids``."""
+    prefix = f"{path}." if path else ""
+    return tuple(trace.frozen_weights[sid].removeprefix(prefix) for sid in sids)
 
 
 def _explain(

@@ -168,8 +168,17 @@ class SimulatedStep:
         self.node_cache: dict[int, list[int]] = {}
         # lazy blocks: (peak while rebuilding, bytes left rebuilt) of an event's backward's unpacks
         self.rebuilds: dict[int, tuple[int, int]] = {}
-        self.mem = alongside.total  # the loop's batch and what training_step made before the call
-        self.peak = 0
+        # streamed blocks' weights (``host_weights.py``): on the host all step, but for the
+        # block's forward and its recompute-and-backward, where copies live on the device
+        self.streams = {b: facts.block_weights[b] for b in range(1, len(options)) if options[b] == Option.STREAM}
+        streamed = sum(facts.sizes[sid] for sids in self.streams.values() for sid in sids)
+        self.host = self.host_peak = streamed  # bytes on the host tier now, and at most
+        self.stream_open = -1  # the streamed block whose forward holds its weights' copies now
+        self.stream_copies: list[int] = []
+        # the loop's batch and what training_step made before the call, against the parameters
+        # as loaded: streamed weights are off the device
+        self.mem = alongside.total - streamed
+        self.peak = self.mem
         self.step = 0
         self.peak_step = 0
         self.region = 0
@@ -182,7 +191,6 @@ class SimulatedStep:
         self.offloaded: dict[int, list[int]] = {}  # event -> its saves on the host tier
         self.host_refs: dict[tuple[int, int], int] = {}  # (offloaded block, storage) -> saves of its host copy
         self.host_block: dict[int, int] = {}  # event -> the offloaded block it saved in
-        self.host = self.host_peak = 0  # bytes on the host tier now, and at most
         # A checkpoint inside another stashes the RNG state whenever the enclosing forward or a
         # recompute calls it (a CPU tensor its frame keeps): ``restash``.
         self.nested_starts: dict[int, list[int]] = {}  # event -> nested checkpoints starting there
@@ -208,7 +216,7 @@ class SimulatedStep:
         self.cases = loop.gradients
         self.plain_loop = self.cases == PLAIN_LOOP.gradients
         self.prior_bytes = 0 if self.plain_loop else self.trace.parameter_grad_bytes
-        self.case_peaks = dict.fromkeys(self.cases, 0)
+        self.case_peaks = dict.fromkeys(self.cases, self.mem)
         self.in_backward = False
         self.parameter_grads = 0  # parameter gradient bytes the step wrote so far
         self.written_now = 0  # of those, written since the last tick
@@ -442,7 +450,14 @@ class SimulatedStep:
         alive, python_refs, storage_sizes, holders = self.alive, self.python_refs, self.storage_sizes, self.holders
         event_cost, event_flops, timing = trace.event_cost, trace.event_flops, self.timing
         scale, overheads = trace.option_scale, trace.overheads
-        recompute_scale = scale.get(options[region], 1.0)
+        # a streamed block recomputes as a full checkpoint does (its copies are charged apart)
+        recompute_scale = scale.get(Option.FULL if options[region] == Option.STREAM else options[region], 1.0)
+        streaming = recompute and options[region] == Option.STREAM
+        if streaming:  # the recompute copies the block's weights in first
+            for sid in self.streams[region]:
+                remap[sid] = self.stream_copy(sid)
+            self.charge_stream(region)
+        resident_saves = trace.event_resident_saves
         idle = facts.recompute_idle if recompute else facts.forward_idle
         top, dead_release_at = region == 0 and not recompute, facts.dead_release_at
         node = ctx = lazy = off = -1
@@ -463,6 +478,8 @@ class SimulatedStep:
                 if lazy >= 0:
                     per_op_ns += overheads.lazy_op_ns * scale.get(Option.LAZY, 1.0)
                 save_scale = scale.get(options[ctx], 1.0) if ctx >= 0 and not recompute else 0.0
+            if self.stream_open >= 0 and event > facts.last[self.stream_open]:
+                self.stream_out()
             if idle[event] and not per_op_ns:  # only the clock moves (``TraceFacts.forward_idle``)
                 self.tick()
                 continue
@@ -470,6 +487,8 @@ class SimulatedStep:
                 self.enter_checkpoint(ctx, mapped)
                 if recompute:
                     self.recomputed_nodes.add(ctx)
+                elif options[ctx] == Option.STREAM:
+                    self.stream_in(ctx)
             if nested_starts and event in nested_starts:
                 stashes_ending += self.restash(nested_starts[event], ctx, region, recompute)
             cached = selective_recompute and event_heavy[event] and event <= cache_end
@@ -485,6 +504,8 @@ class SimulatedStep:
                     python_refs.add(sid)
                     self.mem += storage_sizes[sid]
             saves = event_saves[event]
+            if streaming and resident_saves[event]:  # the weights' copies it saves stay too
+                saves = [*saves, *(sid for sid in resident_saves[event] if sid in remap)]
             if timing:
                 if per_op_ns:
                     self.recompute_cost += per_op_ns
@@ -518,6 +539,8 @@ class SimulatedStep:
             if top and event in dead_release_at:  # dead branches' graphs go (``dead_branches``)
                 for dead in dead_release_at[event]:
                     self.release(self.event_holds.pop(dead, []))
+        if self.stream_open >= 0 and hi >= facts.last[self.stream_open]:
+            self.stream_out()
         if recompute and hi < facts.last[region]:
             stashes_ending += self.pack_at_stop(region, hi + 1, mapped)
         kept = [mapped(sid) for sid in keep if mapped(sid) in self.alive]
@@ -528,6 +551,36 @@ class SimulatedStep:
                     self.python_refs.discard(sid)
                     self.maybe_free(sid)
         return kept
+
+    def stream_copy(self, sid: int) -> int:
+        """A device copy of streamed weight ``sid``, referenced from Python: its new storage id."""
+        copy = self.new_storage(self.facts.sizes[sid])
+        self.alive.add(copy)
+        self.python_refs.add(copy)
+        self.mem += self.facts.sizes[sid]
+        return copy
+
+    def stream_in(self, block: int) -> None:
+        """A streamed block's forward starts: its weights are copied in until it returns."""
+        self.stream_open = block
+        self.stream_copies = [self.stream_copy(sid) for sid in self.streams[block]]
+        self.charge_stream(block)
+
+    def stream_out(self) -> None:
+        """The streamed block's forward returned: nothing saved its copies (a checkpoint's forward)."""
+        for sid in self.stream_copies:
+            self.python_refs.discard(sid)
+            self.maybe_free(sid)
+        self.stream_open, self.stream_copies = -1, []
+
+    def charge_stream(self, block: int) -> None:
+        """One copy of a streamed block's weights from the host: one way of the measured round trip."""
+        sids = self.streams[block]
+        overheads = self.trace.overheads
+        nbytes = sum(self.facts.sizes[sid] for sid in sids)
+        self.charge(
+            Option.STREAM, 0.5 * (nbytes * overheads.offload_ns_per_byte + len(sids) * overheads.offload_save_ns)
+        )
 
     def charge(self, option: Option, nanoseconds: float) -> None:
         """Add a cost of ``option``, scaled by what calibration measured against the model's estimate."""
@@ -611,8 +664,9 @@ class SimulatedStep:
             if ctx in self.stale_stashes:  # its stash now stands in for the original's
                 self.stale_stashes.discard(ctx)
                 return 1
-        elif ctx < 0 and trace.event_saves[stop]:
-            self.event_holds[stop] = self.hold([mapped(s) for s in trace.event_saves[stop]])
+        elif ctx < 0 and (trace.event_saves[stop] or trace.event_resident_saves[stop]):
+            saves = [*trace.event_saves[stop], *trace.event_resident_saves[stop]]
+            self.event_holds[stop] = self.hold([mapped(s) for s in saves])
             self.recomputed_holds.add(stop)
         return 0
 
@@ -697,7 +751,7 @@ class SimulatedStep:
                 ctx = self.context(node, block)
             if ctx >= 0 and event == facts.first[ctx]:
                 inner_starts.append(event)
-            if ctx < 0 and event_saves[event]:
+            if ctx < 0 and (event_saves[event] or trace.event_resident_saves[event]):
                 plain_last = event
         candidates = [facts.stop_after(first, plain_last)] if plain_last >= first else []
         candidates += [start - 1 for start in inner_starts]

@@ -65,7 +65,14 @@ PLANNING_MARGIN = 0.05
 
 def budget_for_peak(peak_bytes: int) -> int:
     """The smallest budget a plan predicted to peak at ``peak_bytes`` is chosen for (the margin added)."""
-    return math.ceil(peak_bytes / (1 - PLANNING_MARGIN))
+    return math.ceil(peak_bytes / (1 - PLANNING_MARGIN) if peak_bytes >= 0 else peak_bytes / (1 + PLANNING_MARGIN))
+
+
+def planning_target(budget_bytes: int) -> int:
+    """What a plan for ``budget_bytes`` must peak under: the margin taken off. A budget below zero
+    (the device holds less than the parameters as loaded: streamed weights make room) keeps its
+    margin below it too."""
+    return int(budget_bytes - PLANNING_MARGIN * abs(budget_bytes))
 
 
 class InfeasibleBudgetError(ValueError):
@@ -107,11 +114,12 @@ class Solver:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
         checkpoint hands its cached outputs to the first backward only, so a graph that is
         backpropagated twice (DP's ghost and flash modes) cannot use them. ``offload=True`` lets
-        plans offload blocks' saved activations to host memory (``host_tier.py``)."""
+        plans offload blocks' saved activations to host memory (``host_tier.py``) and stream
+        blocks' frozen weights from it (``host_weights.py``)."""
         self.sim = simulator
         options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
-        self.options = (*options, Option.OFFLOAD) if offload else options
-        self.tree = BlockTree(simulator.trace)
+        self.options = (*options, Option.OFFLOAD, Option.STREAM) if offload else options
+        self.tree = BlockTree(simulator.trace, simulator.facts.block_weights)
         self.nodes = self.tree.nodes
         self.large = len(self.nodes) > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
         self.subtree_end, self.ancestors = self.tree.subtree_end, self.tree.ancestors
@@ -129,7 +137,7 @@ class Solver:
 
     def solve(self, budget_bytes: int) -> Solution:
         """Cheapest plan found whose predicted peak is within the budget less the margin."""
-        return self._solve(int(budget_bytes * (1 - PLANNING_MARGIN)), budget_bytes)
+        return self._solve(planning_target(budget_bytes), budget_bytes)
 
     def _solve(self, target_bytes: int, budget_bytes: int) -> Solution:
         start = time.perf_counter()
@@ -200,6 +208,13 @@ class Solver:
                 ):
                     options[node.index] = Option.FULL
             plans.append((options, self.simulate(options)))
+            if Option.STREAM in self.options:  # the same blocks streamed: "block swap" of every block
+                streamed = [
+                    Option.STREAM if o == Option.FULL and self.tree.stream_bytes[i] else o
+                    for i, o in enumerate(options)
+                ]
+                if streamed != options:
+                    plans.append((streamed, self.simulate(streamed)))
         return plans
 
     def greedy_path(
@@ -302,7 +317,11 @@ class Solver:
             plain_below = not self.subtree_planned(i, options)
             following = next_options(options[i], checkpointed_above=checkpointed_above, plain_below=plain_below)
             moves += [(i, option) for option in following]
-        return [move for move in moves if move[1] in self.options]
+        return [
+            (index, option)
+            for index, option in moves
+            if option in self.options and (option != Option.STREAM or self.tree.stream_bytes[index])
+        ]
 
     def subtree_planned(self, index: int, options: list[Option]) -> bool:
         return any(options[j] != Option.KEEP for j in range(index + 1, self.subtree_end[index]))
@@ -331,6 +350,8 @@ class Solver:
             freed = freed_full[index] - self.tree.kept_inputs(index, holdings, lca)
             if option in KEEPS_SOME:
                 freed -= self.tree.cache_bytes(index, holdings, lca)
+            elif option == Option.STREAM:  # its weights leave the device, outside its own windows
+                freed = self.tree.stream_bytes[index] + (0 if options[index] == Option.FULL else freed)
             if freed <= 0:
                 continue
             extra = 1.0 if cost_blind else self.tree.cost_of(index, option) - self.tree.cost_of(index, options[index])

@@ -96,6 +96,10 @@ class Trace:
     event_partial_inputs: list[dict[int, int]] = field(default_factory=list)
     event_outputs: list[tuple[int, ...]] = field(default_factory=list)
     event_saves: list[list[int]] = field(default_factory=list)
+    # storages made outside the step (parameters, buffers, inputs) that autograd saved at each op:
+    # torch's checkpoint counts their packs too (where a recompute stops), and a streamed block's
+    # weights saved there stay on the device until the op's backward (``host_weights.py``)
+    event_resident_saves: list[list[int]] = field(default_factory=list)
     # what each op is (``ops.py``): every later stage reads these flags and decides nothing itself
     event_traits: list[OpTraits] = field(default_factory=list)
     event_flops: list[int] = field(default_factory=list)
@@ -105,6 +109,9 @@ class Trace:
     event_forward_workspace: list[int] = field(default_factory=list)  # transient bytes inside the op
     event_workspace: list[int] = field(default_factory=list)  # transient bytes of the op's backward
     nodes: list[Node] = field(default_factory=list)
+    # frozen parameters the host tier may stream, by storage: their names in the module
+    # (``host_weights.streamable``); a storage under two names is not streamed
+    frozen_weights: dict[int, str] = field(default_factory=dict)
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
     overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)

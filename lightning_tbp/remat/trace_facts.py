@@ -61,6 +61,40 @@ def dead_branches(trace: Trace) -> tuple[list[bool], dict[int, list[int]]]:
     return dead, release_at
 
 
+def block_weights(
+    trace: Trace, parent: list[int], first: list[int], last: list[int], dead: list[bool]
+) -> list[list[int]]:
+    """Per node, the frozen weights (``trace.frozen_weights``) only its events read: what
+    streaming the block moves off the device. A weight goes to the lowest node whose events
+    span all its reads, and to every node enclosing that one.
+
+    A weight a dead branch reads stays resident: the backward never reaches that op, so what a
+    recompute saves there is not unpacked, and torch's checkpoint keeps it until the graph goes
+    (after the step, when the loop drops its loss): a copy would outlive the step."""
+    reads: dict[int, list[int]] = {}
+    read_dead: set[int] = set()
+    for event, inputs in enumerate(trace.event_inputs):
+        for sid in inputs:
+            if sid in trace.frozen_weights:
+                span = reads.setdefault(sid, [event, event])
+                span[1] = event
+                if dead[event]:
+                    read_dead.add(sid)
+    for sid in read_dead:
+        del reads[sid]
+    owned: list[list[int]] = [[] for _ in parent]
+    for sid, (lo, hi) in reads.items():
+        node = trace.event_node[lo]
+        while node > 0 and last[node] < hi:
+            node = parent[node]
+        if node > 0 and first[node] <= lo:
+            owned[node].append(sid)
+    for node in range(len(parent) - 1, 0, -1):  # children come after their parent (pre-order)
+        if parent[node] > 0:
+            owned[parent[node]].extend(owned[node])
+    return [sorted(sids) for sids in owned]
+
+
 class BackwardFacts(NamedTuple):
     """What the backward of one event reads about it (``TraceFacts.backward_facts``)."""
 
@@ -153,6 +187,7 @@ class TraceFacts:
         # saved input is packed *before* its op runs, so if the last save holds only inputs the op
         # itself is not re-run. A selective block caches heavy outputs up to that point only.
         self.cache_end = [self.stop_after(node.first_event, node.last_event) for node in trace.nodes]
+        self.block_weights = block_weights(trace, self.parent, self.first, self.last, dead)
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
         # what the forward makes that it counts (activations), and what each event's backward
@@ -242,7 +277,7 @@ class TraceFacts:
             if event in inner_starts:
                 return event - 1
             saves = trace.event_saves[event]
-            if saves:
+            if saves or trace.event_resident_saves[event]:  # a parameter's pack counts too
                 outputs = set(trace.event_outputs[event])
                 return event if any(s in outputs for s in saves) else event - 1
         return first - 1

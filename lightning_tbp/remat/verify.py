@@ -126,11 +126,12 @@ class Verification:
     measured_bytes: int
     budget_bytes: int
     replanned: bool = False  # the budget was passed and the plan was solved again
+    streamed_bytes: int = 0  # weights the plan streams from the host (``ShapePlan.ratio``)
 
     @property
     def ratio(self) -> float:
-        """Measured over predicted peak."""
-        return self.measured_bytes / max(self.predicted_bytes, 1)
+        """Measured over predicted peak (as device levels, where the plan streams weights)."""
+        return (self.measured_bytes + self.streamed_bytes) / max(self.predicted_bytes + self.streamed_bytes, 1)
 
     @property
     def within_budget(self) -> bool:

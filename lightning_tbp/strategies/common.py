@@ -496,12 +496,15 @@ class TinyBackpropMixin:
         if step is None or shape_plan is None or self.plan is None:
             return
         predicted = shape_plan.predicted_case_bytes(step.case)
+        # the meter never saw the weights streamed to the host leave: against the parameters as loaded
+        step = dataclasses.replace(step, peak_bytes=step.peak_bytes - self.plan.streamed_bytes)
         within = step.peak_bytes <= shape_plan.budget_bytes
         self._loop_steps.append((step, shape_plan))
-        if step.index < self._watch_first or not within or abs(step.peak_bytes / predicted - 1) > 0.05:
+        ratio = shape_plan.ratio(step.peak_bytes, predicted)
+        if step.index < self._watch_first or not within or abs(ratio - 1) > 0.05:
             rank_zero_info(
                 f"tiny_backprop: training step {step.index} (gradients at its forward: {step.case.value}) peaked at "
-                f"{format_bytes(step.peak_bytes)} above what training holds, {step.peak_bytes / predicted:.3f}x the "
+                f"{format_bytes(step.peak_bytes)} above what training holds, {ratio:.3f}x the "
                 f"predicted {format_bytes(predicted)}, {'within' if within else 'OVER'} the budget "
                 f"{format_bytes(shape_plan.budget_bytes)} on rank 0"
             )
@@ -579,7 +582,7 @@ class TinyBackpropMixin:
         predicted = checked.predicted_case_bytes(PriorGradients.RELEASED)
         if measured is not None:
             against = (
-                f"vs predicted {format_bytes(predicted)} ({measured / predicted:.3f}x)"
+                f"vs predicted {format_bytes(predicted)} ({checked.ratio(measured, predicted):.3f}x)"
                 if comparable
                 else f"at batch {checked.measured_batch_size} (planned for up to {checked.batch_size})"
             )
@@ -597,9 +600,9 @@ class TinyBackpropMixin:
         """Re-plan ``checked`` with the measured error folded in if ``measured`` passed its budget on
         any process (every process alike; ``predicted`` None: not comparable, a smaller batch)."""
         assert self.plan is not None
-        ratio = 0.0 if measured is None else measured / checked.budget_bytes
+        ratio = 0.0 if measured is None else checked.ratio(measured, checked.budget_bytes)
         if measured is not None and predicted is not None:
-            ratio = max(ratio, measured / predicted)
+            ratio = max(ratio, checked.ratio(measured, predicted))
         over = float(measured is not None and measured > checked.budget_bytes)
         if self.world_size > 1:  # one decision for all processes: the worst of them
             ratio, over = (

@@ -8,6 +8,7 @@ import torch
 from typing_extensions import override
 
 from lightning_tbp.compat import tree_flatten, tree_unflatten
+from lightning_tbp.diffusion.lora import add_lora, lora_options
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.testing.zoo_models import ZOO, sample
 
@@ -17,10 +18,16 @@ class ZooModule(L.LightningModule):
     inputs (those with the batch as their first dimension; ``rows``, the target last), the rest
     stay as they are. The loss is per sample under a DP strategy, its mean otherwise."""
 
-    def __init__(self, name: str, batch: int, optimizer: OptimizerName = "adamw", lr: float = 1e-4) -> None:
+    def __init__(
+        self, name: str, batch: int, optimizer: OptimizerName = "adamw", lr: float = 1e-4, lora_rank: int = 0
+    ) -> None:
+        """``lora_rank``: freeze the model and train LoRA adapters of that rank on its attention
+        projections (0: a full fine-tune)."""
         super().__init__()
         case = ZOO[name].case(batch=batch)
         self.model = case.model.train()
+        if lora_rank:
+            add_lora(self.model, lora_options(lora_rank))
         leaves, self._spec = tree_flatten((case.args, case.kwargs))
         self._batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch for x in leaves]
         self._leaves = leaves
@@ -39,4 +46,5 @@ class ZooModule(L.LightningModule):
 
     @override
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.optimizer_name, self.model.parameters(), lr=self.lr, weight_decay=0.01)
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        return make_optimizer(self.optimizer_name, trainable, lr=self.lr, weight_decay=0.01)

@@ -16,11 +16,16 @@ Streamable weights (:func:`streamable`): parameters without a gradient, plain de
 fill their storage, large enough to be worth a copy, under one name in the module. A trainable
 adapter inside the block (a LoRA's) stays resident and trains as it would.
 
-The host is pinned memory on CUDA; on a CPU numpy's memory, which the exact CPU meter does not
-count (``host_tier.host_buffer``), so a test measures the device-resident peak exactly. The
-planner counts a streamed block's weights as off the device for the whole step except inside
-the block's forward and its recompute-and-backward (``simulated_step``), and its budget is
-against the parameters as loaded: the bytes the stream moved out come off a measured peak
+The host is pinned memory on CUDA. On a CPU, where host and device are the same memory, the
+weights stay in the storages they were loaded in: the exact CPU meter never counts memory
+allocated before the step it meters, so a test measures the device-resident peak exactly, as
+with the host tier's buffers (``host_tier.host_buffer``). Moving them would free storages made
+before the meter started, whose frees the profiler counts or not depending on whether an
+earlier profiling session saw their addresses.
+
+The planner counts a streamed block's weights as off the device for the whole step except
+inside the block's forward and its recompute-and-backward (``simulated_step``), and its budget
+is against the parameters as loaded: the bytes the stream moved out come off a measured peak
 (:attr:`HostWeights.moved_bytes`).
 """
 
@@ -91,16 +96,18 @@ class HostWeights:
             param = owner._parameters[attribute]
             assert isinstance(param, nn.Parameter)
             device = param.device
-            host = host_buffer(param.numel() * param.element_size(), device).view(param.dtype).view(param.shape)
-            host.copy_(param.detach())
-            param.data = host
+            if device.type != "cpu":  # on a CPU the weights stay where they were loaded (module doc)
+                host = host_buffer(param.numel() * param.element_size(), device).view(param.dtype).view(param.shape)
+                host.copy_(param.detach())
+                param.data = host
             set_home(param, device)
             self._placed[name] = param
 
     def _bring_back(self, name: str) -> None:
         param = self._placed.pop(name)
         device = take_home(param)
-        param.data = param.detach().to(device, copy=True)
+        if param.device != device:
+            param.data = param.detach().to(device, copy=True)
 
     def remove(self) -> None:
         for name in list(self._placed):

@@ -46,11 +46,17 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     ]
     lines += [f"taken besides recomputation: {action}" for action in sp.actions]
     offloaded = sum(1 for b in sp.blocks if b.option == Option.OFFLOAD)
-    if offloaded:
+    if offloaded or sp.streamed:
+        uses = [f"{offloaded} block(s) offload their saved activations to host memory"] if offloaded else []
+        if sp.streamed:
+            uses.append(
+                f"{len(sp.streamed)} block(s) stream their frozen weights from it "
+                f"({format_bytes(sp.streamed_bytes)} off the device, copied in for each block's forward and "
+                "recompute; peaks are counted against the parameters as loaded, so they can fall below zero)"
+            )
         lines.append(
-            f"host tier: {offloaded} block(s) offload their saved activations to host memory, at most "
-            f"{format_bytes(sp.planned.host_peak_bytes)} there at once (host budget "
-            f"{format_bytes(int(sp.host_budget_bytes))}); copies are charged in the time estimate"
+            f"host tier: {'; '.join(uses)}; at most {format_bytes(sp.planned.host_peak_bytes)} there at once (host "
+            f"budget {format_bytes(int(sp.host_budget_bytes))}); copies are charged in the time estimate"
         )
     if sp.correction > 1:
         lines.append(
@@ -97,6 +103,7 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
             "alongside_bytes": dataclasses.asdict(sp.alongside),
         },
         "host_peak_bytes": sp.planned.host_peak_bytes,
+        "streamed_weight_bytes": sp.streamed_bytes,
         "host_budget_bytes": None if sp.host_budget_bytes == float("inf") else int(sp.host_budget_bytes),
         "measured_peak_bytes": sp.measured_peak_bytes,
         "measured_batch_size": sp.measured_batch_size,

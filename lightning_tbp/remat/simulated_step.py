@@ -588,8 +588,15 @@ class SimulatedStep:
             self.recompute_cost += nanoseconds * self.trace.option_scale.get(option, 1.0)
 
     def enter_checkpoint(self, ctx: int, mapped: Callable[[int], int]) -> None:
-        """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward."""
+        """A checkpoint starts: it holds its inputs, and the RNG state it stashes, until its backward.
+
+        Its frame lives through what its ops pack: a block none of whose ops saves anything for
+        a backward (frozen layers on inputs that need no gradient, a LoRA model's first blocks)
+        keeps nothing, and its backward recomputes nothing."""
         self.charge(self.options[ctx], self.trace.overheads.checkpoint_call_ns)
+        if self.facts.packs_nothing[ctx]:
+            self.node_inputs[ctx], self.node_cache[ctx] = [], []
+            return
         held = self.hold([mapped(s) for s in self.trace.nodes[ctx].inputs])
         if self.trace.checkpoint_state_bytes:
             state = self.new_storage(self.trace.checkpoint_state_bytes)

@@ -147,7 +147,7 @@ class Solver:
             return Solution(keep_all, naive, naive, time.perf_counter() - start, self.simulations)
         # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.
-        targets = [int(target_bytes * f) for f in _TARGET_PORTFOLIO]
+        targets = [int(target_bytes - abs(target_bytes) * (1 - f)) for f in _TARGET_PORTFOLIO]  # tighter below zero too
         candidates = self.greedy_path(keep_all, naive, targets)
         # one Lagrangian start, for the real target: each costs a repair descent, and starts for
         # the tighter targets never gave the cheapest plan (66 solves of 11 architectures at

@@ -188,6 +188,15 @@ class TraceFacts:
         # itself is not re-run. A selective block caches heavy outputs up to that point only.
         self.cache_end = [self.stop_after(node.first_event, node.last_event) for node in trace.nodes]
         self.block_weights = block_weights(trace, self.parent, self.first, self.last, dead)
+        # blocks none of whose ops packs anything for a backward: a checkpoint there keeps nothing
+        packs = [
+            bool(saves or resident)
+            for saves, resident in zip(trace.event_saves, trace.event_resident_saves, strict=True)
+        ]
+        self.packs_nothing = [
+            not any(packs[first : last + 1]) if first >= 0 else True
+            for first, last in zip(self.first, self.last, strict=True)
+        ]
         self.is_activation = trace.storage_is_activation
         self.sizes = trace.storage_bytes
         # what the forward makes that it counts (activations), and what each event's backward

@@ -621,6 +621,8 @@ class TinyBackpropMixin:
                 "planning_peak_bytes": step.planning_peak_bytes,
                 "predicted_bytes": shape_plan.predicted_case_bytes(step.case),
                 "budget_bytes": shape_plan.budget_bytes,
+                # measured over predicted as device levels (``ShapePlan.ratio``: streamed weights back in)
+                "ratio": shape_plan.ratio(step.peak_bytes, shape_plan.predicted_case_bytes(step.case)),
             }
             for step, shape_plan in self._loop_steps
         ]

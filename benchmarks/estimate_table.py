@@ -66,6 +66,17 @@ def flux() -> nn.Module:
     return FluxTransformer2DModel(guidance_embeds=True)  # diffusers' defaults are FLUX.1's 12B transformer
 
 
+def wan_14b() -> nn.Module:
+    """Wan 2.1's 14B text-to-video transformer, as its published configuration gives it."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", eps=1e-6,
+    )  # fmt: skip
+
+
 def unet_call(model: nn.Module, latents: torch.Tensor, text: torch.Tensor, sdxl: bool) -> torch.Tensor:
     t = torch.zeros(latents.shape[0], dtype=torch.long)
     extra = {}
@@ -117,6 +128,10 @@ SETUPS: dict[str, dict] = {
         host_tier=True,
     ),
     "flux_lora_1024_b1_host_tier": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, host_tier=True),
+    # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
+    "wan14b_lora_480p_81f_b1_host_tier": dict(
+        model=wan_14b, latent=(21, 60, 104), batch=1, kind="wan", lora=16, host_tier=True
+    ),
 }
 
 
@@ -136,8 +151,8 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
         else:
             model = setup["model"]()
         n, s = setup["batch"], setup["latent"]
-        channels = 16 if setup["kind"] == "flux" else 4
-        latents = torch.zeros(n, channels, s, s)
+        channels = 16 if setup["kind"] in ("flux", "wan") else 4
+        latents = torch.zeros(n, channels, *s) if setup["kind"] == "wan" else torch.zeros(n, channels, s, s)
         batch: dict[str, torch.Tensor] = {"latents": latents}
         if "text" in setup:
             batch["text"] = torch.zeros(n, *setup["text"])
@@ -148,6 +163,9 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
             kind = setup["kind"]
             if kind in ("unet", "sdxl"):
                 return unet_call(model, latents, batch["text"], kind == "sdxl")
+            if kind == "wan":
+                text = torch.zeros(n, 512, 4096)
+                return model(latents, timestep=torch.zeros(n), encoder_hidden_states=text).sample
             if kind == "dit":
                 return model(
                     latents, timestep=torch.zeros(n, dtype=torch.long), class_labels=torch.zeros(n, dtype=torch.long)
@@ -219,7 +237,13 @@ def main() -> None:
             f"(one estimate {estimate.estimate_seconds:.0f} s), max RSS {format_bytes(row['max_rss_bytes'])}",
             flush=True,
         )
-    (args.out / "estimate_table.json").write_text(json.dumps(rows, indent=2))
+    # rows run now replace their earlier runs; the others stay (``--only`` reruns a few)
+    table = args.out / "estimate_table.json"
+    earlier = json.loads(table.read_text()) if table.exists() else []
+    fresh = {row["setup"] for row in rows}
+    merged = [row for row in earlier if row["setup"] not in fresh and row["setup"] in SETUPS] + rows
+    order = list(SETUPS)
+    table.write_text(json.dumps(sorted(merged, key=lambda row: order.index(row["setup"])), indent=2))
 
 
 if __name__ == "__main__":

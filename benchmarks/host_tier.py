@@ -13,7 +13,14 @@ against plain autograd. Times are interleaved rounds in this
 process; on a CPU the "host" is the same memory (copies are memcpy), so the memory columns carry
 over to a GPU and the times do not: the GPU check times it on a device.
 
+With ``--lora RANK`` the models are frozen with LoRA adapters of that rank (their base weights can
+stream), and the hand settings are kohya's "block swap" with gradient checkpointing: checkpoint
+every block, stream every block's weights, stream the first half and checkpoint the rest
+(``--blocks_to_swap`` at half). Peaks then count against the parameters as loaded (a plan that
+streams can peak below zero); ``parameter_bytes`` turns them into device totals.
+
     python benchmarks/host_tier.py --out docs/benchmarks [--names unet2d flux sdxl_unet] [--rounds 3]
+    python benchmarks/host_tier.py --out docs/benchmarks --lora 4 --names flux sd3 --batch 2
 """
 
 from __future__ import annotations
@@ -33,13 +40,17 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_label, grads_of, max_rel_diff, median_times_in_turns, pyplot, write_result
 
-from lightning_tbp import InfeasibleBudgetError, Plan, rematerialize
+from lightning_tbp import InfeasibleBudgetError, Plan
+from lightning_tbp.diffusion.lora import add_lora, lora_options
 from lightning_tbp.environment import machine_info
 from lightning_tbp.memory import measure_peak
+from lightning_tbp.memory.held import HeldMemory
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.host_tier import host_use
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
+from lightning_tbp.remat.shape_plan import streamed_names
+from lightning_tbp.remat.trace_facts import TraceFacts
 from lightning_tbp.testing.zoo_models import ZOO, ZooCase
 
 
@@ -51,20 +62,26 @@ def _seeded(case: ZooCase, model: nn.Module) -> Callable[[], None]:
     return step
 
 
-def _peaks(model: nn.Module, step: Callable[[], None]) -> tuple[int, int]:
-    """Exact device peak and host-tier peak of one step that starts without gradients."""
+def _peaks(model: nn.Module, step: Callable[[], None], streamed: int = 0) -> tuple[int, int]:
+    """Exact device peak (against the parameters as loaded: ``streamed`` bytes of weights on the
+    host come off) and host-tier peak (streamed weights included) of one step that starts
+    without gradients."""
     step()
     model.zero_grad(set_to_none=True)
     gc.collect()
     host_use.reset_peak()
-    device = measure_peak(step).peak_bytes
-    return device, host_use.peak
+    others = host_use.live - streamed  # what other models' plans keep on the host
+    device = measure_peak(step).peak_bytes - streamed
+    return device, host_use.peak - others
 
 
-def hand_settings(case: ZooCase) -> dict[str, dict[str, Option]]:
+def hand_settings(case: ZooCase, stream: bool) -> tuple[dict[str, dict[str, Option]], dict[str, tuple[str, ...]]]:
     """The fixed settings, over every block of the repeated kind whose blocks save the most for
-    the backward (a U-Net's resnets, a transformer's blocks), in call order."""
+    the backward (a U-Net's resnets, a transformer's blocks), in call order; with ``stream``,
+    block swap's (see the module doc). Returns them and each block's streamable weights."""
     trace = record_trace(case.model, case.args, case.kwargs)
+    facts = TraceFacts(trace)
+    weights = {node.key: streamed_names(trace, facts.block_weights[node.index], node.path) for node in trace.nodes[1:]}
     saved: Counter[str] = Counter()
     for node in trace.nodes[1:]:
         if node.has_events:
@@ -73,50 +90,84 @@ def hand_settings(case: ZooCase) -> dict[str, dict[str, Option]]:
     repeated = Counter(node.kind for node in trace.nodes[1:] if node.has_events)
     kind = max((k for k in saved if repeated[k] > 1), key=lambda k: saved[k])
     blocks = [node.key for node in trace.nodes[1:] if node.has_events and node.kind == kind]
+    if stream:  # block swap's unit: the model's own repeated blocks (a Flux's double and single blocks)
+        kinds = {n.kind for n in trace.nodes[1:] if n.parent == 0 and repeated[n.kind] > 1 and weights[n.key]}
+        kind = " or ".join(sorted(kinds))
+        blocks = [n.key for n in trace.nodes[1:] if n.parent == 0 and n.kind in kinds]
     half = len(blocks) // 2
+    if stream:
+        return {
+            f"checkpoint every {kind}": dict.fromkeys(blocks, Option.FULL),
+            f"stream every {kind}": dict.fromkeys(blocks, Option.STREAM),
+            f"stream the first {half}, checkpoint the rest": {
+                key: Option.STREAM if i < half else Option.FULL for i, key in enumerate(blocks)
+            },
+        }, weights
     return {
         f"checkpoint every {kind}": dict.fromkeys(blocks, Option.FULL),
         f"offload every {kind}": dict.fromkeys(blocks, Option.OFFLOAD),
         f"checkpoint the first {half}, offload the rest": {
             key: Option.FULL if i < half else Option.OFFLOAD for i, key in enumerate(blocks)
         },
-    }
+    }, weights
 
 
 def _plan_at(model: nn.Module, case: ZooCase, budget: int) -> tuple[Plan, str | None]:
-    """The planner with the host tier at ``budget``, or at its lowest budget where ``budget`` is
-    below it (the planner keeps a 5% margin for its prediction): the plan, and why it is not at
-    ``budget`` (None: it is)."""
+    """The planner with the host tier at ``budget`` for the step (against the parameters as
+    loaded, so below zero where weights must stream), or at its lowest budget where ``budget``
+    is below it (the planner keeps a 5% margin for its prediction): the plan, and why it is not
+    at ``budget`` (None: it is). The budget is given as a device's total with the parameters
+    held, as the strategies do: ``rematerialize`` takes no budget below zero."""
+    parameters = _parameter_bytes(model)
+
+    def planned(step_budget: int) -> Plan:
+        plan = Plan(model, parameters + step_budget, host_tier="on", held=lambda: HeldMemory(parameters=parameters))
+        try:
+            with torch.enable_grad():
+                plan.plan_for(case.args, case.kwargs)
+        except BaseException:
+            plan.remove()
+            raise
+        return plan
+
     try:
-        return rematerialize(model, *case.args, memory_budget=budget, host_tier="on", **case.kwargs), None
+        return planned(budget), None
     except InfeasibleBudgetError as error:
-        lowest = error.minimum_budget_bytes
-        plan = rematerialize(model, *case.args, memory_budget=lowest, host_tier="on", **case.kwargs)
-        return plan, str(error).splitlines()[0]
+        return planned(error.minimum_budget_bytes), str(error).splitlines()[0]
 
 
-def measure(name: str, batch: int, rounds: int) -> dict[str, Any]:
+def _parameter_bytes(model: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def measure(name: str, batch: int, rounds: int, lora: int = 0) -> dict[str, Any]:
     case = ZOO[name].case(batch=batch)
+    if lora:
+        add_lora(case.model, lora_options(lora))
     plain = case.model
     plain_step = _seeded(case, plain)
     naive, _ = _peaks(plain, plain_step)
     reference = grads_of(plain)
     rows: list[dict[str, Any]] = []
-    for setting, options in hand_settings(case).items():
+    settings, weights = hand_settings(case, stream=lora > 0)
+    for setting, options in settings.items():
         model = copy.deepcopy(plain)
-        wrappers = InstalledWrappers(model, options, {})
+        wrappers = InstalledWrappers(
+            model, options, {}, {k: weights[k] for k, o in options.items() if o == Option.STREAM}
+        )
         wrappers.ensure(options)
+        wrappers.place_weights()
         step = _seeded(case, model)
         planned_model = copy.deepcopy(plain)
         try:
-            device, host = _peaks(model, step)
+            device, host = _peaks(model, step, wrappers.weights.moved_bytes)
             grads = grads_of(model)
             plan, below_floor = _plan_at(planned_model, case, device)
             planned_step = _seeded(case, planned_model)
             try:
                 shape_plan = plan.current
                 assert shape_plan is not None
-                plan_device, plan_host = _peaks(planned_model, planned_step)
+                plan_device, plan_host = _peaks(planned_model, planned_step, plan.streamed_bytes)
                 plan_grads = grads_of(planned_model)
                 plan_seconds, hand_seconds, naive_seconds = median_times_in_turns(
                     [(planned_model, planned_step), (model, step), (plain, plain_step)], rounds, torch.device("cpu")
@@ -145,7 +196,14 @@ def measure(name: str, batch: int, rounds: int) -> dict[str, Any]:
         }
         print(name, row, flush=True)
         rows.append(row)
-    return {"name": name, "batch": batch, "naive_peak_bytes": naive, "rows": rows}
+    return {
+        "name": name,
+        "batch": batch,
+        "lora_rank": lora,
+        "parameter_bytes": _parameter_bytes(plain),
+        "naive_peak_bytes": naive,
+        "rows": rows,
+    }
 
 
 def plot(result: dict[str, Any]) -> Any:
@@ -156,13 +214,17 @@ def plot(result: dict[str, Any]) -> Any:
     for axis, entry in zip(axes[0], models, strict=True):
         labels = [f"{i + 1}" for i in range(len(entry["rows"]))]
         x = range(len(labels))
-        axis.bar([i - 0.2 for i in x], [r["hand_peak_bytes"] / mib for r in entry["rows"]], 0.4, label="hand: device")
-        axis.bar([i + 0.2 for i in x], [r["plan_peak_bytes"] / mib for r in entry["rows"]], 0.4, label="plan: device")
-        axis.plot(x, [r["hand_host_peak_bytes"] / mib for r in entry["rows"]], "o", label="hand: host")
-        axis.plot(x, [r["plan_host_peak_bytes"] / mib for r in entry["rows"]], "s", label="plan: host")
-        axis.axhline(entry["naive_peak_bytes"] / mib, color="grey", linestyle=":", label="unplanned")
+        # device totals where weights stream (peaks count against the parameters as loaded)
+        base = entry["parameter_bytes"] if entry["lora_rank"] else 0
+        rows = entry["rows"]
+        axis.bar([i - 0.2 for i in x], [(base + r["hand_peak_bytes"]) / mib for r in rows], 0.4, label="hand: device")
+        axis.bar([i + 0.2 for i in x], [(base + r["plan_peak_bytes"]) / mib for r in rows], 0.4, label="plan: device")
+        axis.plot(x, [r["hand_host_peak_bytes"] / mib for r in rows], "o", label="hand: host")
+        axis.plot(x, [r["plan_host_peak_bytes"] / mib for r in rows], "s", label="plan: host")
+        axis.axhline((base + entry["naive_peak_bytes"]) / mib, color="grey", linestyle=":", label="unplanned")
         axis.set_xticks(list(x), labels)
-        axis.set(title=entry["name"], xlabel="hand setting (see the JSON)", ylabel="MiB")
+        ylabel = "MiB on the device (parameters included)" if base else "MiB"
+        axis.set(title=entry["name"], xlabel="hand setting (see the JSON)", ylabel=ylabel)
     axes[0][0].legend()
     figure.suptitle(f"Host tier against hand settings at equal device peak, {device_label(result['machine'])}")
     return figure
@@ -174,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--names", nargs="+", default=["unet2d", "flux", "sdxl_unet"])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--lora", type=int, default=0, help="LoRA rank on a frozen base (0: full fine-tune)")
     args = parser.parse_args(argv)
-    models = [measure(name, args.batch, args.rounds) for name in args.names]
-    write_result({"machine": machine_info(), "models": models}, args.out, "host_tier", plot)
+    models = [measure(name, args.batch, args.rounds, args.lora) for name in args.names]
+    stem = f"host_tier_lora{args.lora}" if args.lora else "host_tier"
+    write_result({"machine": machine_info(), "models": models}, args.out, stem, plot)
 
 
 if __name__ == "__main__":

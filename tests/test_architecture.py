@@ -95,8 +95,11 @@ def test_options_nest_by_one_set_of_rules() -> None:
         Option.SELECTIVE,
         Option.LAZY,
         Option.OFFLOAD,
+        Option.STREAM,
     )
-    assert next_options(Option.OFFLOAD, checkpointed_above=False, plain_below=True) == (Option.FULL,)
+    assert next_options(Option.OFFLOAD, checkpointed_above=False, plain_below=True) == (Option.FULL, Option.STREAM)
+    assert next_options(Option.STREAM, checkpointed_above=False, plain_below=True) == ()
+    assert next_options(Option.FULL, checkpointed_above=True, plain_below=True) == ()  # a stream under a checkpoint
     assert next_options(Option.KEEP, checkpointed_above=True, plain_below=True) == (Option.FULL,)
     assert next_options(Option.FULL, checkpointed_above=False, plain_below=False) == ()
 

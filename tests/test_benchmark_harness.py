@@ -240,3 +240,15 @@ def test_the_host_tier_benchmark_holds_the_plans_to_the_hand_settings_peaks(tmp_
         assert row["plan_peak_bytes"] <= row["plan_budget_bytes"]
         assert row["hand_grad_max_rel_diff"] <= 1e-6 and row["plan_grad_max_rel_diff"] <= 1e-6
     assert model["rows"][1]["hand_host_peak_bytes"] > 0  # offloading every block keeps its saves on the host
+
+
+def test_the_host_tier_benchmark_with_lora_streams_against_block_swap(tmp_path) -> None:
+    host_tier.main(["--names", "flux", "--lora", "4", "--batch", "1", "--rounds", "1", "--out", str(tmp_path)])
+    (model,) = json.loads((tmp_path / "host_tier_lora4.json").read_text())["models"]
+    assert model["lora_rank"] == 4 and model["parameter_bytes"] > 0
+    assert [r["setting"].split()[0] for r in model["rows"]] == ["checkpoint", "stream", "stream"]
+    swap_all = model["rows"][1]
+    assert swap_all["hand_peak_bytes"] < 0  # every block's weights on the host: below the parameters as loaded
+    for row in model["rows"]:
+        assert row["plan_peak_bytes"] <= row["plan_budget_bytes"]
+        assert row["hand_grad_max_rel_diff"] <= 1e-6 and row["plan_grad_max_rel_diff"] <= 1e-6

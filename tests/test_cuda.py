@@ -120,6 +120,45 @@ def test_the_host_tier_on_cuda_copies_through_pinned_memory_and_holds_its_budget
     record_property("offload_save_ns", overheads.offload_save_ns)
 
 
+def test_streamed_weights_on_cuda_leave_the_device_and_hold_the_budget(record_property) -> None:
+    """A Flux-style LoRA whose frozen weights stream from pinned host memory: its parameters'
+    data leaves the device, the step holds the budget and the prediction within 5% (as device
+    levels), the host holds the weights, and the adapters' gradients are plain autograd's."""
+    from lightning_tbp import InfeasibleBudgetError
+    from lightning_tbp.diffusion.lora import add_lora, lora_options
+    from lightning_tbp.remat.host_tier import host_use
+    from lightning_tbp.remat.options import Option
+
+    case = ZOO["flux"].case(batch=2, device="cuda")
+    add_lora(case.model, lora_options(4))
+    case.step()
+    reference = {n: p.grad.clone() for n, p in case.model.named_parameters() if p.grad is not None}
+    case.model.zero_grad(set_to_none=True)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        rematerialize(case.model, *case.args, memory_budget=1, host_tier="off", **case.kwargs)
+    device_only = error.value.minimum_budget_bytes
+    plan = rematerialize(case.model, *case.args, memory_budget=device_only // 2, host_tier="on", **case.kwargs)
+    try:
+        assert Option.STREAM in plan.current.options.values()
+        streamed = [p for p in case.model.parameters() if p.device.type == "cpu"]
+        assert streamed and all(p.is_pinned() for p in streamed)
+        assert sum(p.numel() * p.element_size() for p in streamed) == plan.streamed_bytes
+        host_use.reset_peak()
+        verdict = plan.verify(case.step)
+        record_property("streamed_bytes", plan.streamed_bytes)
+        record_property("verdict", verdict.describe())
+        assert verdict.within_budget, verdict
+        assert abs(verdict.ratio - 1) <= 0.05, verdict
+        assert host_use.peak >= plan.streamed_bytes
+        for name, parameter in case.model.named_parameters():
+            if name in reference:
+                scale = reference[name].abs().max().clamp_min(1e-6)
+                assert float((parameter.grad - reference[name]).abs().max() / scale) < 1e-4, name
+    finally:
+        plan.remove()
+    assert all(p.device.type == "cuda" for p in case.model.parameters())  # brought back
+
+
 def test_auto_budget_is_the_free_device_memory() -> None:
     case = ZOO["dit"].case(batch=2, device="cuda")
     free, _ = torch.cuda.mem_get_info()

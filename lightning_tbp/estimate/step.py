@@ -153,7 +153,7 @@ class StepEstimate:
     fit: PlanFit | None = None
     step_in_backward: bool = False  # the optimizer steps each parameter inside the backward
     with_step_in_backward: StepEstimate | None = None  # the same step so, where "auto" would take it
-    host_tier: bool = False  # plans may offload saved activations to host memory
+    host_tier: bool = False  # plans may offload saved activations to host memory and stream frozen weights
     with_host_tier: StepEstimate | None = None  # the same step so, where host_tier="auto" would take it
 
     @property
@@ -199,7 +199,8 @@ def estimate_step(
     models with hundreds of blocks). ``device``: the device modelled; by default the step's own
     (``TrainingStep.device``). ``step_in_backward``: the optimizer steps each parameter inside
     the backward (``optimizer_in_backward``). ``host_tier``: plans may offload saved activations
-    to host memory (copies priced at the device model's host link rate; no host budget).
+    to host memory and stream frozen weights from it (copies priced at the device model's host
+    link rate; no host budget).
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -405,21 +406,25 @@ def _find_minimum(estimate: StepEstimate, solver: Solver) -> None:
     the same plan the planner falls back to at that budget, so the device size named here is
     one a plan really reaches. Its recomputation is the cost-blind plan's (an upper bound: the
     planner, given that budget, may find a cheaper plan of the same peak)."""
-    lowest = solver.lowest(0)[1]  # no plan fits 0 bytes: the plan of the lowest peak
+    lowest = solver.lowest(-(1 << 62))[1]  # no plan fits: the plan of the lowest peak (below zero if it streams)
     step_bytes = estimate.around_target_bytes + min(solver.naive().peak_bytes, budget_for_peak(lowest.peak_bytes))
-    estimate.minimum_device_bytes = estimate.held_bytes + max(step_bytes, estimate.optimizer_step_peak_bytes)
+    # the optimizer steps after the backward, streamed weights back on the host
+    optimizer = estimate.optimizer_step_peak_bytes - lowest.streamed_bytes
+    estimate.minimum_device_bytes = estimate.held_bytes + max(step_bytes, optimizer)
     estimate.minimum_plan_recompute_time_ratio = _plan_ratios(solver, lowest)[0]
     estimate.minimum_plan_host_bytes = lowest.host_peak_bytes
 
 
 def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
     fit = PlanFit(device_memory, fits_without_plan=estimate.naive_peak_bytes <= device_memory, fits_with_plan=False)
-    if estimate.held_bytes + estimate.optimizer_step_peak_bytes > device_memory:
-        fit.reason = (
-            "the optimizer step alone does not fit (parameters, gradients, optimizer state and its temporaries): "
-            "no activation plan helps; shard the model (FSDP2), train fewer parameters (LoRA) or use a "
-            "larger device"
-        )
+    optimizer_alone = (
+        "the optimizer step alone does not fit (parameters, gradients, optimizer state and its temporaries): "
+        "no activation plan helps; shard the model (FSDP2), train fewer parameters (LoRA) or use a "
+        "larger device"
+    )
+    # with the host tier a plan may stream frozen weights, which are off the device at the optimizer step
+    if not estimate.host_tier and estimate.held_bytes + estimate.optimizer_step_peak_bytes > device_memory:
+        fit.reason = optimizer_alone
         return fit
     fit.budget_bytes = device_memory - estimate.held_bytes - estimate.around_target_bytes
     try:
@@ -427,11 +432,15 @@ def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
     except InfeasibleBudgetError as error:
         fit.reason = f"no plan fits: {error}"
         return fit
-    fit.fits_with_plan = True
     planned = solution.result
-    fit.predicted_peak_bytes = estimate.held_bytes + max(
-        estimate.around_target_bytes + planned.peak_bytes, estimate.optimizer_step_peak_bytes
-    )
+    optimizer = estimate.optimizer_step_peak_bytes - planned.streamed_bytes
+    if estimate.held_bytes + optimizer > device_memory:
+        fit.reason = optimizer_alone + (
+            ", even with the plan's weights streamed from the host" if planned.streamed_bytes else ""
+        )
+        return fit
+    fit.fits_with_plan = True
+    fit.predicted_peak_bytes = estimate.held_bytes + max(estimate.around_target_bytes + planned.peak_bytes, optimizer)
     fit.recompute_time_ratio, fit.recompute_flop_ratio = _plan_ratios(solver, planned)
     fit.planned_blocks = sum(1 for option in solution.options[1:] if option)
     fit.host_peak_bytes = planned.host_peak_bytes

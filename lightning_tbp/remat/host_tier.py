@@ -95,11 +95,11 @@ class _HostUse:
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def _allocated(self, nbytes: int) -> None:
+    def allocated(self, nbytes: int) -> None:
         self.live += nbytes
         self.peak = max(self.peak, self.live)
 
-    def _freed(self, nbytes: int) -> None:
+    def freed(self, nbytes: int) -> None:
         self.live -= nbytes
 
 
@@ -114,8 +114,8 @@ def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     else:
         buffer = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-    host_use._allocated(nbytes)
-    weakref.finalize(buffer, host_use._freed, nbytes)
+    host_use.allocated(nbytes)
+    weakref.finalize(buffer, host_use.freed, nbytes)
     return buffer
 
 

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from lightning_tbp.memory.homes import home_of, set_home, take_home
-from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, host_buffer
+from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, host_buffer, host_use
 
 
 def streamable(param: nn.Parameter) -> bool:
@@ -96,8 +96,11 @@ class HostWeights:
             param = owner._parameters[attribute]
             assert isinstance(param, nn.Parameter)
             device = param.device
-            if device.type != "cpu":  # on a CPU the weights stay where they were loaded (module doc)
-                host = host_buffer(param.numel() * param.element_size(), device).view(param.dtype).view(param.shape)
+            nbytes = param.numel() * param.element_size()
+            if device.type == "cpu":  # the weights stay where they were loaded (module doc), held by the tier
+                host_use.allocated(nbytes)
+            else:
+                host = host_buffer(nbytes, device).view(param.dtype).view(param.shape)
                 host.copy_(param.detach())
                 param.data = host
             set_home(param, device)
@@ -106,7 +109,9 @@ class HostWeights:
     def _bring_back(self, name: str) -> None:
         param = self._placed.pop(name)
         device = take_home(param)
-        if param.device != device:
+        if device.type == "cpu":
+            host_use.freed(param.numel() * param.element_size())
+        else:
             param.data = param.detach().to(device, copy=True)
 
     def remove(self) -> None:

@@ -72,6 +72,9 @@ class SimResult:
     """The peak of the step in each case of the loop (``LoopModel.gradients``)."""
     host_peak_bytes: int = 0
     """The most bytes offloaded blocks keep on the host tier at once (``host_tier.py``)."""
+    streamed_bytes: int = 0
+    """Frozen weights streamed blocks keep on the host (``host_weights.py``): off the device
+    all step but inside those blocks, the parameters as loaded less these."""
 
 
 @dataclass
@@ -171,7 +174,7 @@ class SimulatedStep:
         # streamed blocks' weights (``host_weights.py``): on the host all step, but for the
         # block's forward and its recompute-and-backward, where copies live on the device
         self.streams = {b: facts.block_weights[b] for b in range(1, len(options)) if options[b] == Option.STREAM}
-        streamed = sum(facts.sizes[sid] for sids in self.streams.values() for sid in sids)
+        self.streamed = streamed = sum(facts.sizes[sid] for sids in self.streams.values() for sid in sids)
         self.host = self.host_peak = streamed  # bytes on the host tier now, and at most
         self.stream_open = -1  # the streamed block whose forward holds its weights' copies now
         self.stream_copies: list[int] = []
@@ -270,6 +273,7 @@ class SimulatedStep:
             peak_in_optimizer_step=self.peak_step == self.optimizer_step,
             case_peaks={PriorGradients.RELEASED: self.peak} if self.plain_loop else dict(self.case_peaks),
             host_peak_bytes=self.host_peak,
+            streamed_bytes=self.streamed,
         )
 
     # -- the ledger -----------------------------------------------------------------------------

@@ -94,22 +94,26 @@ def hand_settings(case: ZooCase, stream: bool) -> tuple[dict[str, dict[str, Opti
         kinds = {n.kind for n in trace.nodes[1:] if n.parent == 0 and repeated[n.kind] > 1 and weights[n.key]}
         kind = " or ".join(sorted(kinds))
         blocks = [n.key for n in trace.nodes[1:] if n.parent == 0 and n.kind in kinds]
+    if stream:  # kohya's --blocks_to_swap, with gradient checkpointing on every block
+        return _settings(kind, blocks, Option.STREAM, first_half=Option.STREAM), weights
+    return _settings(kind, blocks, Option.OFFLOAD, first_half=Option.FULL), weights
+
+
+_VERB = {Option.FULL: "checkpoint", Option.OFFLOAD: "offload", Option.STREAM: "stream"}
+
+
+def _settings(kind: str, blocks: list[str], other: Option, first_half: Option) -> dict[str, dict[str, Option]]:
+    """Every block checkpointed, every block ``other``, and the first half ``first_half`` with
+    the rest the other of the two."""
     half = len(blocks) // 2
-    if stream:
-        return {
-            f"checkpoint every {kind}": dict.fromkeys(blocks, Option.FULL),
-            f"stream every {kind}": dict.fromkeys(blocks, Option.STREAM),
-            f"stream the first {half}, checkpoint the rest": {
-                key: Option.STREAM if i < half else Option.FULL for i, key in enumerate(blocks)
-            },
-        }, weights
+    rest = other if first_half == Option.FULL else Option.FULL
     return {
         f"checkpoint every {kind}": dict.fromkeys(blocks, Option.FULL),
-        f"offload every {kind}": dict.fromkeys(blocks, Option.OFFLOAD),
-        f"checkpoint the first {half}, offload the rest": {
-            key: Option.FULL if i < half else Option.OFFLOAD for i, key in enumerate(blocks)
+        f"{_VERB[other]} every {kind}": dict.fromkeys(blocks, other),
+        f"{_VERB[first_half]} the first {half}, {_VERB[rest]} the rest": {
+            key: first_half if i < half else rest for i, key in enumerate(blocks)
         },
-    }, weights
+    }
 
 
 def _plan_at(model: nn.Module, case: ZooCase, budget: int) -> tuple[Plan, str | None]:

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_tbp.compat import FakeTensor
 from lightning_tbp.memory.homes import home_of, set_home, take_home
 from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, host_buffer, host_use
 
@@ -45,7 +46,8 @@ def streamable(param: nn.Parameter) -> bool:
     """Whether a plan may stream ``param`` from the host: frozen, plain, dense, filling its storage."""
     return (
         not param.requires_grad
-        and type(param) is nn.Parameter
+        # a plain parameter, or one a fake trace made (``tbp estimate``): not a quantized subclass
+        and (type(param) is nn.Parameter or isinstance(param, FakeTensor))
         and param.layout == torch.strided
         and param.is_contiguous()
         and param.storage_offset() == 0

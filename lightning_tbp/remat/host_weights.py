@@ -149,11 +149,10 @@ def with_weights(
     call: Callable[..., Any], weights: HostWeights, block: nn.Module, names: tuple[str, ...]
 ) -> Callable[..., Any]:
     """``call`` run with ``block``'s streamed weights in (:meth:`HostWeights.shadow`): the
-    function a streamed block's checkpoint runs, in the forward and again in its recompute."""
+    function a streamed block's checkpoint runs, in the forward and again in its recompute (a
+    recompute's early stop raises through it: the shadows go all the same)."""
 
     def streamed(*args: Any) -> Any:
-        # try/finally, not a context manager: a recompute's early stop raises through here, and a
-        # generator's frame in the exception's traceback would keep this call's inputs in a cycle
         shadowed = weights.shadow(block, names)
         try:
             return call(*args)

@@ -431,7 +431,7 @@ class Plan:
         self._host_tier_action = (
             f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes)} is below "
             f"the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may offload blocks' "
-            "saved activations to host memory from now on",
+            "saved activations to host memory and stream their frozen weights from it from now on",
         )
         log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
         return solved

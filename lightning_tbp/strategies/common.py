@@ -131,10 +131,12 @@ class TinyBackpropMixin:
             so, and an infeasible budget's error names what blocks it. ``True``: always (refused
             by name where it cannot run); ``False``: never.
         host_tier: ``"auto"`` (default): where a budget cannot be met on the device alone, the
-            plan may offload blocks' saved activations to host memory, chosen per block by
-            predicted time beside recomputation (see :mod:`lightning_tbp.remat.host_tier`); the
-            plan report says so. ``"on"``: from the first plan; ``"off"``: never. Not with DP
-            or FSDP (``"on"`` is refused there, ``"auto"`` keeps every byte on the device).
+            plan may offload blocks' saved activations to host memory and stream blocks' frozen
+            weights from it, chosen per block by predicted time beside recomputation (see
+            :mod:`lightning_tbp.remat.host_tier` and :mod:`lightning_tbp.remat.host_weights`;
+            a byte budget may then be below what the weights take); the plan report says so.
+            ``"on"``: from the first plan; ``"off"``: never. Not with DP or FSDP (``"on"`` is
+            refused there, ``"auto"`` keeps every byte on the device).
         host_budget: the most bytes the host tier may hold per process (None: 80% of the host
             memory available at setup, split between the processes of one node).
     """

@@ -180,6 +180,7 @@ class Plan:
         self._streamed: dict[str, tuple[str, ...]] = {}
         self._wrappers = InstalledWrappers(module, self._active, self._cache_limits, self._streamed)
         self._planning = False
+        self._caught_errors = False  # planning went on past an error (``plan_for`` collects its cycles)
         self._inside_call = False  # planning from the module's own forward pre-hook
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._after_hook = module.register_forward_hook(self._after_forward)
@@ -204,9 +205,13 @@ class Plan:
                 )
             finally:
                 release_random_tiles()  # the stand-ins' values, no longer needed
-                # a solve that tried alternatives caught their errors, whose tracebacks hold the frames
-                # they were raised from in cycles, and with them this call's inputs: gone before the step
-                gc.collect()
+                if self._caught_errors:
+                    # a solve that went on to an alternative caught an error whose traceback holds, in a
+                    # cycle, the frames it passed through and the callers' behind them (this call's
+                    # inputs among them): collected before the step, not whenever the collector runs
+                    # (a collection costs ~0.3 s in a process with torch loaded: only then)
+                    self._caught_errors = False
+                    gc.collect()
             self.shape_plans[key] = planned
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(planned))
         elif self.batch_ceiling is not None:
@@ -381,6 +386,7 @@ class Plan:
         try:
             solved = self._solve_in_loop(profile, correction)
         except InfeasibleBudgetError as error:
+            self._caught_errors = True
             if not self._may_take_host_tier():
                 if self.host_tier == "auto" and not self._host_tier_used:
                     error.add_note(f"the host tier cannot be used here: {self._host_tier_blocker()}")
@@ -395,6 +401,7 @@ class Plan:
         try:
             return self._solve_with(profile, profile.solver, correction)
         except InfeasibleBudgetError as error:
+            self._caught_errors = True
             if self.alternative is None:
                 raise
             return self._solve_in_alternative(profile, correction, error, self.alternative)

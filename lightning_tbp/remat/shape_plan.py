@@ -73,7 +73,6 @@ class ShapePlan:
     host_budget_bytes: float = float("inf")  # the most the host tier may hold (inf: no host tier)
     # per streamed block: the names, in the block, of the weights it streams (``host_weights.py``)
     streamed: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    streamed_bytes: int = 0  # their bytes, off the device against the parameters as loaded
 
     @property
     def measured_at_planned_batch(self) -> bool:
@@ -86,6 +85,11 @@ class ShapePlan:
     def predicted_peak_bytes(self) -> int:
         """The highest of the loop's cases (``loop``)."""
         return self.planned.peak_bytes
+
+    @property
+    def streamed_bytes(self) -> int:
+        """Bytes of the weights it streams: off the device, against the parameters as loaded."""
+        return self.planned.streamed_bytes
 
     def ratio(self, measured_bytes: int, reference_bytes: int) -> float:
         """``measured_bytes`` over ``reference_bytes`` (a prediction, a budget), both counted
@@ -198,12 +202,6 @@ def solve_shape(
             for i, o in enumerate(options)
             if o == Option.STREAM
         },
-        streamed_bytes=sum(
-            trace.storage_bytes[sid]
-            for i, o in enumerate(options)
-            if o == Option.STREAM
-            for sid in simulator.facts.block_weights[i]
-        ),
         budget_bytes=budget_bytes,
         held=held,
         naive=naive,

@@ -128,6 +128,17 @@ SETUPS: dict[str, dict] = {
         host_tier=True,
     ),
     "flux_lora_1024_b1_host_tier": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, host_tier=True),
+    # exact fp32 AdamW, its state and step on the host, each parameter stepped inside the backward
+    "sdxl_full_1024_b1_state_on_host": dict(
+        model=sdxl_unet,
+        latent=128,
+        batch=1,
+        text=(77, 2048),
+        kind="sdxl",
+        in_backward=True,
+        host_tier=True,
+        state_on_host=True,
+    ),
     # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
     "wan14b_lora_480p_81f_b1_host_tier": dict(
         model=wan_14b, latent=(21, 60, 104), batch=1, kind="wan", lora=16, host_tier=True
@@ -210,6 +221,7 @@ def main() -> None:
             device=CUDA,
             step_in_backward=setup.get("in_backward", False),
             host_tier=setup.get("host_tier", False),
+            state_on_host=setup.get("state_on_host", False),
         )
         # the smallest device with a plan bounds every larger one: it fits there with a plan too
         fits = {
@@ -224,6 +236,7 @@ def main() -> None:
             "in_backward": setup.get("in_backward", False),
             "base_quantization": setup.get("base"),
             "host_tier": setup.get("host_tier", False),
+            "state_on_host": setup.get("state_on_host", False),
             **estimate_dict(estimate),
             "fits_by_device": fits,
             "wall_seconds": time.perf_counter() - started,

@@ -19,6 +19,7 @@ from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.optim import PER_PARAMETER, OptimizerInBackward, steps_per_parameter
 from lightning_tbp.optim.choice import is_low_bit, make_optimizer
+from lightning_tbp.optim.host_state import HostOptimizerState
 
 
 class Tied(nn.Module):
@@ -76,17 +77,24 @@ def _pair(name: str) -> tuple[Tied, torch.optim.Optimizer, Tied, torch.optim.Opt
     return plain, OPTIMIZERS[name](_groups(plain)), fused, OPTIMIZERS[name](_groups(fused))
 
 
-@settings(max_examples=16, deadline=None)
+@settings(max_examples=24, deadline=None)
 @given(
     name=st.sampled_from(sorted(OPTIMIZERS)),
     accumulate=st.integers(1, 3),
     spare_at=st.sets(st.integers(0, 8), max_size=3),
+    on_host=st.booleans(),
 )
-def test_weights_equal_the_ordinary_steps_bitwise(name: str, accumulate: int, spare_at: set[int]) -> None:
+def test_weights_equal_the_ordinary_steps_bitwise(
+    name: str, accumulate: int, spare_at: set[int], on_host: bool
+) -> None:
     """Several steps, micro-batches accumulated before the stepping backward, and parameters that
-    only an earlier micro-batch reached (``spare``): stepped as the block ends."""
+    only an earlier micro-batch reached (``spare``): stepped as the block ends. ``on_host``: the
+    state and step on the host (``optim/host_state.py``), whose masters step with the
+    optimizer's own groups and options, and which gives the groups back as it is removed."""
     plain, plain_opt, fused, fused_opt = _pair(name)
     stepper = OptimizerInBackward(fused_opt)
+    if on_host:
+        stepper.host = HostOptimizerState(fused_opt)
     batches = torch.randn(3 * accumulate, 4, 6, generator=torch.Generator().manual_seed(1))
     for step in range(3):
         plain_opt.zero_grad()
@@ -105,6 +113,9 @@ def test_weights_equal_the_ordinary_steps_bitwise(name: str, accumulate: int, sp
     for (path, a), b in zip(plain.named_parameters(), fused.parameters(), strict=True):
         assert torch.equal(a, b), path
     assert plain_opt.state_dict()["param_groups"] == fused_opt.state_dict()["param_groups"]
+    stepper.remove()
+    for group, own in zip(fused_opt.param_groups, _groups(fused), strict=True):
+        assert all(p is q for p, q in zip(group["params"], own["params"], strict=True))
 
 
 def test_a_scheduler_and_the_state_dict_see_the_optimizer_as_it_is() -> None:

@@ -133,15 +133,20 @@ def estimate_config(
     if estimate.with_step_in_backward is not None:
         still_out = still_out and not _fits(estimate.with_step_in_backward)
     if host_mode == "on" or (host_mode == "auto" and still_out):
-        # what the planner would take on top: saved activations offloaded to host memory
-        estimate.with_host_tier = estimate_step(
-            build,
-            device=device,
-            device_memory=device_memory,
-            minimum=minimum,
-            step_in_backward=fused,
-            host_tier=True,
-        )
+        # what the planner would take on top: saved activations offloaded to host memory, and
+        # after that the optimizer's state and step there
+        for state_on_host in (False, True) if fused else (False,):
+            estimate.with_host_tier = estimate_step(
+                build,
+                device=device,
+                device_memory=device_memory,
+                minimum=minimum,
+                step_in_backward=fused,
+                host_tier=True,
+                state_on_host=state_on_host,
+            )
+            if estimate.fit is None or _fits(estimate.with_host_tier):
+                break
     if estimate.device == "cuda" and any(mixed):
         warnings.warn(
             "mixed precision on CUDA is estimated with CPU autocast's op lists, which keep group norm, layer norm "

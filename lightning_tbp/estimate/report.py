@@ -50,6 +50,8 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         ),
         "host_tier": estimate.host_tier,
         "minimum_plan_host_bytes": estimate.minimum_plan_host_bytes,
+        "host_state_bytes": estimate.host_state_bytes,
+        "host_step_seconds": estimate.host_step_seconds,
         "with_host_tier": None if estimate.with_host_tier is None else estimate_dict(estimate.with_host_tier),
     }
 
@@ -97,6 +99,12 @@ def format_estimate(estimate: StepEstimate) -> str:
     hosted = estimate.with_host_tier
     if hosted is not None:
         inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
+        if hosted.host_state_bytes:
+            inside = (
+                f", the optimizer's state and step there ({format_bytes(hosted.host_state_bytes)} with the trainable "
+                f"weights' copies; ~{hosted.host_step_seconds:.2f} s a step for the copies and the step on this "
+                "machine's CPU)"
+            )
         lines.append(
             "with the host tier (saved activations offloaded to host memory where the plan chooses"
             f"{inside}; host_tier='auto' takes it by itself): naive peak {format_bytes(hosted.naive_peak_bytes)}"

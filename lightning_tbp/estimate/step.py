@@ -45,6 +45,7 @@ from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.held import parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import host_optimizer_ns_per_byte
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
@@ -155,6 +156,10 @@ class StepEstimate:
     with_step_in_backward: StepEstimate | None = None  # the same step so, where "auto" would take it
     host_tier: bool = False  # plans may offload saved activations to host memory and stream frozen weights
     with_host_tier: StepEstimate | None = None  # the same step so, where host_tier="auto" would take it
+    # the optimizer's state, a copy of each trainable weight and the step on the host (then
+    # ``optimizer_state_bytes`` is the device's: none), and what that step adds to a step's time
+    host_state_bytes: int = 0
+    host_step_seconds: float = 0.0
 
     @property
     def held_bytes(self) -> int:
@@ -190,6 +195,7 @@ def estimate_step(
     minimum: bool = True,
     step_in_backward: bool = False,
     host_tier: bool = False,
+    state_on_host: bool = False,
 ) -> StepEstimate:
     """Estimate the training step that ``build`` makes (called under fake tensors).
 
@@ -200,7 +206,9 @@ def estimate_step(
     (``TrainingStep.device``). ``step_in_backward``: the optimizer steps each parameter inside
     the backward (``optimizer_in_backward``). ``host_tier``: plans may offload saved activations
     to host memory and stream frozen weights from it (copies priced at the device model's host
-    link rate; no host budget).
+    link rate; no host budget). ``state_on_host``: the optimizer's state and its step are on the
+    host too (``optim/host_state.py``; with ``step_in_backward`` and ``host_tier``), its time the
+    copies at the link rate and the step at this machine's CPU rate.
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -260,7 +268,21 @@ def estimate_step(
             if stepper is not None:
                 stepper.remove()
         step_model = step_model_for(step.target)
-    if stepper is not None:  # per byte, measured on this CPU's allocator
+    host_state_bytes, host_step_seconds = 0, 0.0
+    if state_on_host:
+        if not (step_in_backward and host_tier):
+            raise ValueError(
+                "state_on_host steps inside the backward on the host tier: pass step_in_backward and host_tier"
+            )
+        trainable_bytes = storage_bytes(trainable, model.allocation_rounding, set())
+        host_state_bytes = optimizer_state + trainable_bytes
+        host_ns = trainable_bytes * (
+            2e9 / model.host_link_bytes_per_second + host_optimizer_ns_per_byte(step.optimizers[0])
+        )
+        host_step_seconds = host_ns / 1e9
+        loop = loop.with_state_on_host(host_state_bytes, host_ns)
+        optimizer_state = 0  # the device's
+    elif stepper is not None:  # per byte, measured on this CPU's allocator
         loop = loop.with_step_in_backward(parameter_step_ratio(step.optimizers, torch.device("cpu")))
     trace = traces[0]
     model.round_storages(trace)
@@ -299,6 +321,8 @@ def estimate_step(
         gradients_at_forward=loop.gradients,
         step_in_backward=step_in_backward,
         host_tier=host_tier,
+        host_state_bytes=host_state_bytes,
+        host_step_seconds=host_step_seconds,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import storage_key
+from lightning_tbp.memory.homes import state_on_host
 
 
 @dataclass
@@ -101,6 +102,7 @@ def tensor_bytes(
     optimizer_state = sum(
         _storages_bytes(plain_tensors(state), device_type, seen)
         for optimizer in optimizers
+        if not state_on_host(optimizer)  # the host tier's (``optim/host_state.py``)
         for state in optimizer.state.values()
     )
     return Breakdown(parameters, gradients, optimizer_state, dp_buffers=dp_buffers)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import FakeTensor
 from lightning_tbp.memory.breakdown import plain_tensors, tensor_bytes
-from lightning_tbp.memory.homes import home_of
+from lightning_tbp.memory.homes import home_of, state_on_host
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim.choice import is_low_bit
 
@@ -49,7 +49,7 @@ def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], 
     """Parameters and optimizer state of ``module`` on ``device``, predicting state not made yet."""
     optimizers = list(optimizers)
     existing = tensor_bytes(module, optimizers, device)
-    pending = sum(_pending_state_bytes(optimizer, device) for optimizer in optimizers)
+    pending = sum(_pending_state_bytes(optimizer, device) for optimizer in optimizers if not state_on_host(optimizer))
     # weights streamed from the host count where they were loaded (plans count from there)
     streamed = sum(
         local_bytes(p)
@@ -101,7 +101,7 @@ def state_bytes_of_a_step(
     probe = _probe(probe_shape, dtype, torch.device("cpu"))
     options = _options(group)
     try:
-        twin = _twin(optimizer, [{**options, "params": [probe]}], portable=True)
+        twin = optimizer_twin(optimizer, [{**options, "params": [probe]}], portable=True)
         with torch.compiler.set_stance("force_eager"):
             twin.step()
     except Exception as error:  # an optimizer we cannot imitate: say so rather than guess
@@ -129,7 +129,7 @@ def _probe_shape(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int]:
     return (size,), numel // size
 
 
-def _twin(optimizer: torch.optim.Optimizer, params: list[Any], portable: bool) -> torch.optim.Optimizer:
+def optimizer_twin(optimizer: torch.optim.Optimizer, params: list[Any], portable: bool) -> torch.optim.Optimizer:
     """A fresh optimizer of ``optimizer``'s class and defaults over ``params``. Only what the
     constructor takes (AdamW's defaults hold a key its ``__init__`` refuses); ``portable``: without
     the device-only switches (``fused``, ``capturable``), which refuse a CPU probe and do not
@@ -240,7 +240,7 @@ def _trainable_on(optimizer: torch.optim.Optimizer, device: torch.device) -> lis
 def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]], device: torch.device) -> int:
     """Peak bytes a twin of ``optimizer`` over ``replica`` allocates in a step beyond the state it adds."""
     try:
-        twin = _twin(optimizer, replica, portable=device.type != "cuda")
+        twin = optimizer_twin(optimizer, replica, portable=device.type != "cuda")
         highest = 0
         # torchao's steps as they run, compiled; any other eagerly (one that compiles its own step
         # would compile the replica's shapes, which the real step never uses)

@@ -30,12 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.optim.choice import is_low_bit
+
+if TYPE_CHECKING:
+    from lightning_tbp.optim.host_state import HostOptimizerState
 
 #: Optimizers whose step needs every gradient at once (a closure that re-evaluates the loss).
 NEEDS_EVERY_GRADIENT: tuple[type[Optimizer], ...] = (torch.optim.LBFGS,)
@@ -76,7 +80,9 @@ class OptimizerInBackward:
     ``enabled`` is set, so that a planner can take the step into the backward from the next
     backward on. ``every_parameter``: a block ends by stepping every parameter it did not step,
     with a gradient or not (``before_step`` makes the gradient: DP noises every parameter, reached
-    or not). Call :meth:`remove` to detach the hooks.
+    or not). ``host``: set a :class:`~lightning_tbp.optim.host_state.HostOptimizerState` of the
+    same optimizer to step each parameter on the host instead, its state kept there. Call
+    :meth:`remove` to detach the hooks (and give the host state back).
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class OptimizerInBackward:
                 self._group_index[param] = index
                 if param.requires_grad and hooks:
                     self._handles.append(param.register_post_accumulate_grad_hook(self.gradient_done))
+        self.host: HostOptimizerState | None = None  # the state and step on the host (``host_state.py``)
         self.stepped = 0  # parameters stepped in the current (or last) ``stepping`` block
         self.stepped_after = 0  # of those, stepped as the block ended, after its backward
 
@@ -129,8 +136,13 @@ class OptimizerInBackward:
                     self.stepped_after += 1
         finally:
             self._active = False
+            if self.host is not None:
+                self.host.wait()
 
     def remove(self) -> None:
+        if self.host is not None:
+            self.host.remove()
+            self.host = None
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -144,21 +156,31 @@ class OptimizerInBackward:
     def _step_and_free(self, param: torch.Tensor) -> None:
         if self.before_step is not None:
             self.before_step(param)
-        report = self.state_made if not self.optimizer.state.get(param) else None
-        if report is not None:
-            report(0)
-        groups = self.optimizer.param_groups
-        own = groups[self._group_index[param]]
-        kept = [group["params"] for group in groups]
-        for group in groups:
-            group["params"] = [param] if group is own else []
-        try:
-            self.optimizer.step()
-        finally:
-            for group, params in zip(groups, kept, strict=True):
-                group["params"] = params
-        param.grad = None
+        if self.host is not None:
+            self.host.step(param, self._group_index[param])
+        else:
+            report = self.state_made if not self.optimizer.state.get(param) else None
+            if report is not None:
+                report(0)
+            step_only(self.optimizer, param, self._group_index[param])
+            param.grad = None
+            if report is not None:
+                report(sum(t.numel() * t.element_size() for t in plain_tensors(self.optimizer.state.get(param, {}))))
         self._stepped_now.add(id(param))
         self.stepped += 1
-        if report is not None:
-            report(sum(t.numel() * t.element_size() for t in plain_tensors(self.optimizer.state.get(param, {}))))
+
+
+def step_only(optimizer: Optimizer, param: torch.Tensor, group_index: int) -> None:
+    """One step of ``optimizer`` on ``param`` alone, a member of its group ``group_index``: for
+    that step every other group is emptied and the parameter's own holds only it, so its options,
+    state and learning rate are the optimizer's own."""
+    groups = optimizer.param_groups
+    own = groups[group_index]
+    kept = [group["params"] for group in groups]
+    for group in groups:
+        group["params"] = [param] if group is own else []
+    try:
+        optimizer.step()
+    finally:
+        for group, params in zip(groups, kept, strict=True):
+            group["params"] = params

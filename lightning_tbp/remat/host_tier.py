@@ -107,13 +107,17 @@ class _HostUse:
 host_use = _HostUse()
 
 
-def host_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+def host_buffer(nbytes: int, device: torch.device, like: torch.Tensor | None = None) -> torch.Tensor:
     """``nbytes`` of host memory for a copy of ``device`` memory: pinned for CUDA (copies can run
-    at full bandwidth), numpy's for a CPU (memory the exact CPU meter does not count)."""
+    at full bandwidth), numpy's for a CPU (memory the exact CPU meter does not count); bytes, or
+    with ``like``, a contiguous tensor of its dtype and shape (the tensor returned is the one
+    whose life ``host_use`` follows)."""
     if device.type == "cuda":
         buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     else:
         buffer = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+    if like is not None:
+        buffer = buffer.view(like.dtype).view(like.shape)
     host_use.allocated(nbytes)
     weakref.finalize(buffer, host_use.freed, nbytes)
     return buffer

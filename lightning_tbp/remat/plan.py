@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
@@ -107,7 +107,7 @@ class Plan:
         backward_passes: int = 1,
         held: Callable[[], HeldMemory] | None = None,
         loop: LoopModel = PLAIN_LOOP,
-        alternative: LoopAlternative | None = None,
+        alternatives: Sequence[LoopAlternative] = (),
         alongside: Callable[[tuple, dict], Alongside] | None = None,
         host_tier: HostTier = "off",
         host_budget_bytes: int | None = None,
@@ -128,9 +128,11 @@ class Plan:
         ``loop``: the gradients the training loop holds when a step starts and its optimizer
         step (``step.LoopModel``); plans hold in every case it lists. By default a step starts
         without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`.
-        ``alternative``: a change to the loop that lowers its memory, taken (and every shape
-        solved again in it) the first time a shape's budget cannot be met in ``loop``; an
-        infeasible budget's error names what it would reach and, where it is blocked, why.
+        ``alternatives``: changes to the loop that lower its memory, in order, each including
+        those before it (the optimizer inside the backward; its state on the host too); the
+        first that meets a shape's budget where ``loop`` cannot is taken (and every shape solved
+        again in it), those that use the host tier only once plans may; an infeasible budget's
+        error names what each would reach and, where it is blocked, why.
         ``alongside``: what the training loop keeps on the device beside the step (the batch,
         what ``training_step`` made before the call), asked with the call's arguments, before
         anything else, whenever a new signature is planned; counted in every prediction (and
@@ -158,7 +160,7 @@ class Plan:
         self.held = held
         self.loop = loop
         self._base_loop = loop  # the loop before any alternative: a fractional budget is of its naive peak
-        self.alternative = alternative
+        self.alternatives = list(alternatives)
         self.alongside = alongside
         self.actions: tuple[str, ...] = ()  # the alternatives taken, as the reports describe them
         self.module = module
@@ -402,9 +404,13 @@ class Plan:
             return self._solve_with(profile, profile.solver, correction)
         except InfeasibleBudgetError as error:
             self._caught_errors = True
-            if self.alternative is None:
-                raise
-            return self._solve_in_alternative(profile, correction, error, self.alternative)
+            hosted = self.host_tier == "on" or self._host_tier_used
+            for alternative in [a for a in self.alternatives if hosted or not a.host_tier]:
+                try:
+                    return self._solve_in_alternative(profile, correction, error, alternative)
+                except InfeasibleBudgetError as still:
+                    error = still  # its notes say what this one would reach
+            raise error from None
 
     def _host_tier_blocker(self) -> str | None:
         """Why plans may not offload to the host here (None: they may)."""
@@ -420,7 +426,7 @@ class Plan:
         return self.host_tier == "auto" and not self._host_tier_used and self._host_tier_blocker() is None
 
     def _solve_with_host_tier(self, profile: _Profile, correction: float, error: InfeasibleBudgetError) -> ShapePlan:
-        device_only = profile.solver
+        device_only, held = profile.solver, profile.held
         self._host_tier_used = True
         profile.solver = self._solver(profile.trace, device_only.sim.loss_bytes, profile.alongside)
         try:
@@ -435,9 +441,11 @@ class Plan:
                 f"{format_bytes(error.minimum_budget_bytes)}"
             )
             raise lower from None
+        # against what was held outside the step on the device alone (an alternative it took may hold less)
+        shift = 0 if held is None or solved.held is None else held.total - solved.held.total
         self._host_tier_action = (
-            f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes)} is below "
-            f"the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may offload blocks' "
+            f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes - shift)} is "
+            f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may offload blocks' "
             "saved activations to host memory and stream their frozen weights from it from now on",
         )
         log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
@@ -449,11 +457,17 @@ class Plan:
         loop = alternative.loop(self.loop)
         solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, profile.alongside, loop)
         without = format_bytes(error.minimum_budget_bytes)
+        held = None if alternative.held is None or profile.held is None else alternative.held(profile.held)
+        # what it takes off the device outside the step, as the budget counts it (a fraction does
+        # not): its step budgets are larger by as much
+        freed = 0
+        if held is not None:
+            freed = self.budget.resolve(0, profile.device, held) - self.budget.resolve(0, profile.device, profile.held)
         try:
-            solved = self._solve_with(profile, solver, correction)
+            solved = self._solve_with(profile, solver, correction, held)
         except InfeasibleBudgetError as lower:
-            within = format_bytes(lower.minimum_budget_bytes)
-            if alternative.blocked is not None or lower.minimum_budget_bytes >= error.minimum_budget_bytes:
+            within = format_bytes(lower.minimum_budget_bytes - freed)
+            if alternative.blocked is not None or lower.minimum_budget_bytes - freed >= error.minimum_budget_bytes:
                 blocked = "" if alternative.blocked is None else f", but it cannot be taken here: {alternative.blocked}"
                 error.add_note(f"{alternative.action} would lower the minimum to {within}{blocked}")
                 raise error from None
@@ -461,6 +475,9 @@ class Plan:
             reached = InfeasibleBudgetError(
                 lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes, lower.host_bytes
             )
+            # compared from here on against what the loop holds without it (its message keeps its own)
+            reached.budget_bytes -= freed
+            reached.minimum_budget_bytes -= freed
             for note in getattr(lower, "__notes__", []):
                 reached.add_note(note)
             reached.add_note(
@@ -474,21 +491,29 @@ class Plan:
                 f"cannot be taken here: {alternative.blocked}"
             )
             raise error from None
-        self.alternative = None
+        del self.alternatives[: self.alternatives.index(alternative) + 1]  # it includes those before it
         corrected = "" if correction <= 1 else f" divided by a measured correction {correction:.3f}"
-        self.actions = (
-            f"{alternative.action}: the step's budget {format_bytes(solved.budget_bytes)}{corrected} is below the "
-            f"ordinary loop's minimum {without}; it lowers the unplanned step's peak from "
-            f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)} "
+        off = f", takes {format_bytes(freed)} off the device outside the step" if freed else ""
+        self.actions += (
+            f"{alternative.action}: beside what the loop held outside the step, the budget{corrected} left "
+            f"{format_bytes(solved.budget_bytes - freed)} for it, below the loop's minimum {without}; it lowers "
+            "the unplanned step's peak from "
+            f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)}{off} "
             "and recomputes nothing",
         )
         profile.solver = solver
+        if alternative.held is not None:  # what it leaves on the device, for every shape from now on
+            for known in self._profiles.values():
+                known.held = None if known.held is None else alternative.held(known.held)
         self.set_loop(loop)  # the shapes planned so far, solved again in it
         alternative.adopt()
-        log.warning("lightning_tbp: taking %s", self.actions[0])
+        log.warning("lightning_tbp: taking %s", self.actions[-1])
         return solved
 
-    def _solve_with(self, profile: _Profile, solver: Solver, correction: float) -> ShapePlan:
+    def _solve_with(
+        self, profile: _Profile, solver: Solver, correction: float, held: HeldMemory | None = None
+    ) -> ShapePlan:
+        """Solve ``profile`` with ``solver``; ``held``: in place of what the profile found held."""
         fraction_of = None
         if solver.sim.loop != self._base_loop and self.budget.kind == "fraction":
             base = self._solver(profile.trace, solver.sim.loss_bytes, profile.alongside, self._base_loop)
@@ -500,7 +525,7 @@ class Plan:
             profile.batch_size,
             self.budget,
             profile.device,
-            profile.held,
+            profile.held if held is None else held,
             correction=correction,
             loss_measured=profile.loss_measured,
             batch_ceiling=self.batch_ceiling,

@@ -46,8 +46,13 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     ]
     lines += [f"taken besides recomputation: {action}" for action in sp.actions]
     offloaded = sum(1 for b in sp.blocks if b.option == Option.OFFLOAD)
-    if offloaded or sp.streamed:
+    if offloaded or sp.streamed or sp.loop.host_state_bytes:
         uses = [f"{offloaded} block(s) offload their saved activations to host memory"] if offloaded else []
+        if sp.loop.host_state_bytes:
+            uses.append(
+                f"the optimizer's state and step ({format_bytes(sp.loop.host_state_bytes)} with the trainable "
+                f"weights' copies; the step there adds about {sp.loop.host_step_ns / 1e6:.1f} ms, est.)"
+            )
         if sp.streamed:
             uses.append(
                 f"{len(sp.streamed)} block(s) stream their frozen weights from it "
@@ -98,6 +103,8 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
             "gradients_at_forward": sorted(case.value for case in sp.loop.gradients),
             "optimizer_step_bytes": sp.loop.optimizer_step_bytes,
             "step_in_backward": sp.loop.step_in_backward,
+            "optimizer_state_on_host_bytes": sp.loop.host_state_bytes,
+            "host_step_ns": sp.loop.host_step_ns,
             "actions": list(sp.actions),
             "predicted_peak_bytes_by_case": {case.value: peak for case, peak in sp.planned.case_peaks.items()},
             "alongside_bytes": dataclasses.asdict(sp.alongside),

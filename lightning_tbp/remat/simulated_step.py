@@ -175,7 +175,8 @@ class SimulatedStep:
         # block's forward and its recompute-and-backward, where copies live on the device
         self.streams = {b: facts.block_weights[b] for b in range(1, len(options)) if options[b] == Option.STREAM}
         self.streamed = streamed = sum(facts.sizes[sid] for sids in self.streams.values() for sid in sids)
-        self.host = self.host_peak = streamed  # bytes on the host tier now, and at most
+        # bytes on the host tier now, and at most: with the optimizer's state there, all step long
+        self.host = self.host_peak = streamed + loop.host_state_bytes
         self.stream_open = -1  # the streamed block whose forward holds its weights' copies now
         self.stream_copies: list[int] = []
         # the loop's batch and what training_step made before the call, against the parameters

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextvars
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -28,6 +28,7 @@ from torch import nn
 from lightning_tbp.remat.budget import format_bytes
 
 if TYPE_CHECKING:  # typing only: the simulated step imports this module
+    from lightning_tbp.memory.held import HeldMemory
     from lightning_tbp.remat.simulated_step import SimulatedStep, StepEffects
     from lightning_tbp.remat.trace import Trace
 
@@ -101,12 +102,19 @@ class LoopModel:
     parameter's bytes while it runs, and frees the gradient; there is no step after the backward.
     Where the loop holds no earlier gradients (``RELEASED`` alone) that is simulated as it
     happens; in the loop's other cases the gradients are counted as kept (an upper bound: the
-    step that frees them is the last micro-batch's only)."""
+    step that frees them is the last micro-batch's only).
+
+    ``host_state_bytes``: the optimizer's state and its step are on the host (it steps inside
+    the backward, ``optim/host_state.py``): what it keeps there through the step (a copy of each
+    trainable parameter and the state), for the host budget; ``host_step_ns`` what that adds to
+    a step's time (copies, and the host step beyond the device's)."""
 
     gradients: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     optimizer_step_bytes: int = 0
     step_in_backward: bool = False
     parameter_step_ratio: float = 0.0
+    host_state_bytes: int = 0
+    host_step_ns: float = 0.0
 
     def with_step_in_backward(self, parameter_step_ratio: float) -> LoopModel:
         """This loop with the optimizer stepping inside the backward: no step's gradients outlive
@@ -117,6 +125,11 @@ class LoopModel:
             parameter_step_ratio=parameter_step_ratio,
         )
 
+    def with_state_on_host(self, host_state_bytes: int, host_step_ns: float) -> LoopModel:
+        """This loop with the optimizer stepping inside the backward on the host, its state there:
+        each gradient goes as it is complete, and the step's temporaries are the host's."""
+        return replace(self.with_step_in_backward(0.0), host_state_bytes=host_state_bytes, host_step_ns=host_step_ns)
+
     def describe(self) -> str:
         cases = {
             PriorGradients.RELEASED: "none",
@@ -125,7 +138,12 @@ class LoopModel:
         }
         held = " or ".join(cases[case] for case in PriorGradients if case in self.gradients)
         text = f"gradients alive at the forward: {held}"
-        if self.step_in_backward:
+        if self.host_state_bytes:
+            text += (
+                "; the optimizer steps each parameter inside the backward on the host, where its state is "
+                f"({format_bytes(self.host_state_bytes)} with the weights' copies), and frees its gradient"
+            )
+        elif self.step_in_backward:
             text += "; the optimizer steps each parameter inside the backward and frees its gradient"
         elif self.optimizer_step_bytes:
             text += f"; the optimizer step's temporaries {format_bytes(self.optimizer_step_bytes)} after the backward"
@@ -170,12 +188,16 @@ class LoopAlternative:
     ``action`` names it in reports and errors; ``loop`` gives the loop with it from the loop in
     force; ``blocked`` says why this run cannot take it (None: it can), so that an infeasible
     budget names what would meet it and what stands in the way; ``adopt`` switches the run to it
-    (called once, before the step whose plan needs it runs its backward)."""
+    (called once, before the step whose plan needs it runs its backward). ``held``: what it
+    leaves on the device of what training holds outside the step (None: all of it);
+    ``host_tier``: it uses host memory, so a plan tries it only with the host tier."""
 
     action: str
     loop: Callable[[LoopModel], LoopModel]
     adopt: Callable[[], None]
     blocked: str | None = None
+    held: Callable[[HeldMemory], HeldMemory] | None = None
+    host_tier: bool = False
 
 
 @dataclass

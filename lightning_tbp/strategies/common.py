@@ -32,8 +32,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
-from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
+from lightning_tbp.memory.held import HeldMemory, held_memory, local_bytes, parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import host_step_ns_per_byte
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
@@ -223,9 +224,14 @@ class TinyBackpropMixin:
         super().setup(trainer)
         if trainer.state.fn == "fit" and self.privacy is not None:
             self.privacy.setup(trainer, self.lightning_module, self._gradient_sum())
-        alternative = None
+        alternatives: list[LoopAlternative] = []
         if trainer.state.fn == "fit" and self.optimizer_in_backward is not False:
-            self._in_backward, alternative = self._step_in_backward(trainer)
+            self._in_backward, alternatives = self._step_in_backward(trainer)
+        elif trainer.state.fn == "fit" and self.host_tier != "off" and self.host_tier_supported:
+            # named by an infeasible budget's error: the state on the host steps inside the backward
+            alternatives = [
+                self._state_on_host(None, ["optimizer_in_backward=False keeps the step after the backward"])
+            ]
         if trainer.state.fn == "fit" and self.memory_budget is not None:
             # a new plan for every fit: the last one was removed at teardown (also after a failed or
             # interrupted fit), and a resumed run's model may have changed since
@@ -252,7 +258,7 @@ class TinyBackpropMixin:
                     self.root_device,
                     step_in_backward=self._in_backward is not None and self._in_backward.enabled,
                 ),
-                alternative=alternative,
+                alternatives=alternatives,
                 alongside=self._alongside,
                 host_tier=self.host_tier if self.host_tier_supported else "off",
                 host_budget_bytes=(
@@ -295,13 +301,14 @@ class TinyBackpropMixin:
         if self._watch is not None:
             self._watch.state_made(nbytes)
 
-    def _step_in_backward(self, trainer: pl.Trainer) -> tuple[StepInBackward | None, LoopAlternative | None]:
+    def _step_in_backward(self, trainer: pl.Trainer) -> tuple[StepInBackward | None, list[LoopAlternative]]:
         """The optimizer inside the backward as ``optimizer_in_backward`` asks: set up and on
         (``True``; what blocks it raises), or idle with the plan's alternative that turns it on
-        (``"auto"``; what blocks it goes into the alternative, for the plan's errors to name)."""
+        (``"auto"``; what blocks it goes into the alternative, for the plan's errors to name);
+        with the host tier, the alternative after it: the optimizer's state and step on the host."""
         automatic = self.optimizer_in_backward == "auto"
         if automatic and self.memory_budget is None:
-            return None, None  # no plan to take it
+            return None, []  # no plan to take it
         blocked = (
             blockers(
                 trainer,
@@ -329,16 +336,46 @@ class TinyBackpropMixin:
                 hooks=self._gradients_final_when_accumulated,
             )
             self._announce_reduced_gradients(stepping.stepper)
-        if not automatic:
-            return stepping, None
         optimizers, device = self.optimizers, self.root_device
-        alternative = LoopAlternative(
-            action="the optimizer step inside the backward (optimizer_in_backward='auto')",
-            loop=lambda loop: loop.with_step_in_backward(parameter_step_ratio(optimizers, device)),
-            adopt=stepping.enable if stepping is not None else _never,
+        alternatives = []
+        if automatic:
+            alternatives.append(
+                LoopAlternative(
+                    action="the optimizer step inside the backward (optimizer_in_backward='auto')",
+                    loop=lambda loop: loop.with_step_in_backward(parameter_step_ratio(optimizers, device)),
+                    adopt=stepping.enable if stepping is not None else _never,
+                    blocked="; ".join(blocked) if blocked else None,
+                )
+            )
+        if self.host_tier != "off" and self.host_tier_supported:
+            alternatives.append(self._state_on_host(stepping, blocked))
+        return stepping, alternatives
+
+    def _state_on_host(self, stepping: StepInBackward | None, blocked: list[str]) -> LoopAlternative:
+        """The plan's alternative that keeps the optimizer's state on the host and steps each
+        parameter there inside the backward (``optim/host_state.py``), priced when first tried."""
+        costs: list[tuple[int, float]] = []
+
+        def cost() -> tuple[int, float]:
+            if not costs:
+                trainable = sum(local_bytes(p) for p in self.lightning_module.parameters() if p.requires_grad)
+                per_byte = host_step_ns_per_byte(self.optimizers[0], self.root_device)
+                costs.append((trainable + self.held_memory().optimizer_state, per_byte * trainable))
+            return costs[0]
+
+        def adopt() -> None:
+            assert stepping is not None
+            stepping.enable()
+            stepping.keep_state_on_host()
+
+        return LoopAlternative(
+            action="the optimizer's state and step on the host (host_tier)",
+            loop=lambda loop: loop.with_state_on_host(*cost()),
+            adopt=adopt,
             blocked="; ".join(blocked) if blocked else None,
+            held=lambda held: HeldMemory(held.parameters),
+            host_tier=True,
         )
-        return stepping, alternative
 
     #: Whether a gradient autograd accumulates into ``.grad`` is the one to step on (not so where a
     #: reduction across devices follows it: the strategy then announces each parameter itself).

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_tbp.optim import OptimizerInBackward, steps_per_parameter
+from lightning_tbp.optim.host_state import HostOptimizerState
 from lightning_tbp.optim.in_backward import NEEDS_EVERY_GRADIENT
 from lightning_tbp.strategies.privacy import PrivateTraining
 
@@ -89,6 +90,12 @@ class StepInBackward:
     def enable(self) -> None:
         """Step inside the backward from the next backward on."""
         self.stepper.enabled = True
+
+    def keep_state_on_host(self) -> None:
+        """From the next step on, the optimizer's state lives on the host and each parameter is
+        stepped there (:class:`~lightning_tbp.optim.host_state.HostOptimizerState`)."""
+        if self.stepper.host is None:
+            self.stepper.host = HostOptimizerState(self.stepper.optimizer)
 
     def optimizer_step(self, optimizer: Optimizer, lightning_step: Callable[[Any], Any]) -> Any:
         """Run Lightning's step (closure, hooks) with ``optimizer``'s step inside its backward (or,

@@ -10,11 +10,11 @@ from typing_extensions import override
 from lightning_tbp.compat import tree_flatten, tree_unflatten
 from lightning_tbp.diffusion.lora import add_lora, lora_options
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
-from lightning_tbp.testing.zoo_models import ZOO, sample
+from lightning_tbp.testing.zoo_models import HELD_OUT, ZOO, sample
 
 
 class ZooModule(L.LightningModule):
-    """The zoo's ``name`` trained on its seeded inputs: a loader hands out rows of its batched
+    """The zoo's (or the held-out set's) ``name`` trained on its seeded inputs: a loader hands out rows of its batched
     inputs (those with the batch as their first dimension; ``rows``, the target last), the rest
     stay as they are. The loss is per sample under a DP strategy, its mean otherwise."""
 
@@ -24,7 +24,7 @@ class ZooModule(L.LightningModule):
         """``lora_rank``: freeze the model and train LoRA adapters of that rank on its attention
         projections (0: a full fine-tune)."""
         super().__init__()
-        case = ZOO[name].case(batch=batch)
+        case = {**ZOO, **HELD_OUT}[name].case(batch=batch)
         self.model = case.model.train()
         if lora_rank:
             add_lora(self.model, lora_options(lora_rank))

@@ -1,0 +1,220 @@
+"""The optimizer's state and its step in host memory, one parameter at a time inside the backward.
+
+Adam keeps two moments per weight: for a full fine-tune in fp32 that is twice the weights again,
+more than the activations of any plan. Here the user's optimizer keeps its state on the host and
+steps there: each trainable parameter gets a host copy (its *master*, same dtype, so the weights
+are exactly those of the ordinary step) that takes its place in the optimizer's parameter groups,
+so the state torch's optimizers make "like the parameter" is made on the host, and schedulers,
+``state_dict`` and checkpoints see the same optimizer, groups and options. When the backward
+completes a parameter's gradient (:class:`~lightning_tbp.optim.OptimizerInBackward`), the
+gradient is copied to a host buffer and freed on the device, the master is stepped, and the new
+values are copied into the device parameter in place. The device then holds the weights and the
+gradients still being made, nothing else of the optimizer.
+
+The host step runs on a worker thread. On CUDA it overlaps the backward (each step is queued and
+the block waits for all of them as it ends; the copy back is ordered after the kernels that read
+the old weights on the same stream). On a CPU the host tier is emulated: the masters live in
+buffers numpy allocates and the worker thread makes the state and the step's temporaries, none of
+which the exact CPU meter (the profiler's memory events of the training thread) counts, and each
+step is waited for at once (two compute pools on the same cores would slow both).
+
+Lightning moves optimizer state to the device when it restores a checkpoint; a parameter's state
+found off the host is moved back at its next step. :meth:`HostOptimizerState.remove` gives the
+groups their device parameters back; the state stays in host memory (as after Lightning's own
+teardown), so a later ``step()`` on the device needs it moved first.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_tbp.compat import unset_fake_temporarily
+from lightning_tbp.memory.breakdown import plain_tensors
+from lightning_tbp.memory.held import local_bytes, optimizer_twin
+from lightning_tbp.memory.homes import set_state_home, take_state_home
+from lightning_tbp.optim.in_backward import step_only
+from lightning_tbp.remat.host_tier import host_buffer, host_use
+
+
+def _host_tensor(like: torch.Tensor) -> torch.Tensor:
+    """A host tensor of ``like``'s dtype and shape (pinned for CUDA; numpy's for a CPU)."""
+    return host_buffer(like.numel() * like.element_size(), like.device, like)
+
+
+class HostOptimizerState:
+    """``optimizer``'s state and step on the host."""
+
+    def __init__(self, optimizer: Optimizer) -> None:
+        self.optimizer = optimizer
+        self._masters: dict[int, torch.Tensor] = {}  # id(device parameter) -> its master
+        self._devices: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, master)
+        self._state_counted: set[int] = set()  # masters whose state ``host_use`` counts
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="lightning_tbp-host-step")
+        self._pending: list[Future[None]] = []
+        self.overlapped = False
+        for group in optimizer.param_groups:
+            group["params"] = [self._master_of(p) for p in group["params"]]
+        set_state_home(optimizer)
+
+    def _master_of(self, param: torch.Tensor) -> torch.Tensor:
+        if not param.requires_grad:
+            return param
+        if param.device.type not in ("cpu", "cuda") or type(param.data) is not torch.Tensor:
+            raise ValueError(
+                f"the optimizer's state can go to the host for plain CPU or CUDA parameters only, not a "
+                f"{type(param.data).__name__} on {param.device}; pass host_tier='off'"
+            )
+        self.overlapped = self.overlapped or param.device.type == "cuda"
+        master = _host_tensor(param.detach())
+        master.copy_(param.detach())
+        state = self.optimizer.state.pop(param, None)
+        if state is not None:
+            self.optimizer.state[master] = state
+            self._run(lambda: self._state_to_host(master, move_all=True), wait=True)
+        self._masters[id(param)] = master
+        self._devices.append((param, master))
+        return master
+
+    @property
+    def host_bytes(self) -> int:
+        """What the host holds for the optimizer now: the masters and the state made so far."""
+        masters = sum(master.numel() * master.element_size() for _, master in self._devices)
+        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in plain_tensors(s))
+        return masters + state
+
+    def step(self, param: torch.Tensor, group_index: int) -> None:
+        """Copy ``param``'s finished gradient to the host, free it, and step its master (in the
+        optimizer's group ``group_index``) there (queued on CUDA: :meth:`wait` for it)."""
+        grad = param.grad
+        assert grad is not None
+        host_grad = _host_tensor(grad)
+        host_grad.copy_(grad)
+        param.grad = None
+        del grad
+        master = self._masters[id(param)]
+        self._run(lambda: self._step_master(param, master, host_grad, group_index), wait=not self.overlapped)
+
+    def wait(self) -> None:
+        """Until every queued step is done (its error, if any, raised here)."""
+        pending, self._pending = self._pending, []
+        for job in pending:
+            job.result()
+
+    def remove(self) -> None:
+        """Give the groups their device parameters back (the state stays in host memory)."""
+        self.wait()
+        self._worker.shutdown()
+        back = {id(master): param for param, master in self._devices}
+        for group in self.optimizer.param_groups:
+            group["params"] = [back.get(id(p), p) for p in group["params"]]
+        for param, master in self._devices:
+            state = self.optimizer.state.pop(master, None)
+            if state is not None:
+                self.optimizer.state[param] = state
+        self._devices.clear()
+        self._masters.clear()
+        take_state_home(self.optimizer)
+
+    def _run(self, job: Callable[[], None], wait: bool) -> None:
+        future = self._worker.submit(job)
+        if wait:
+            future.result()
+        else:
+            self._pending.append(future)
+
+    def _step_master(self, param: torch.Tensor, master: torch.Tensor, grad: torch.Tensor, group_index: int) -> None:
+        self._state_to_host(master)
+        master.grad = grad
+        try:
+            step_only(self.optimizer, master, group_index)
+        finally:
+            master.grad = None
+        self._state_to_host(master)  # made by its first step: counted
+        with torch.no_grad():
+            param.detach().copy_(master)
+
+    def _state_to_host(self, master: torch.Tensor, move_all: bool = False) -> None:
+        """Move ``master``'s state to the host where it is not (a restored checkpoint's; all of it
+        with ``move_all``: state the device made before), on the worker thread (on a CPU, memory
+        the exact meter does not count), and count it in ``host_use`` once."""
+        state = self.optimizer.state.get(master)
+        if not state:
+            return
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and (move_all or value.device != master.device):
+                state[key] = value.to(master.device, copy=True)
+                self._state_counted.discard(id(master))
+        if id(master) not in self._state_counted:
+            self._state_counted.add(id(master))
+            for tensor in plain_tensors(state):
+                nbytes = tensor.numel() * tensor.element_size()
+                host_use.allocated(nbytes)
+                weakref.finalize(tensor, host_use.freed, nbytes)
+
+
+def host_step_ns_per_byte(optimizer: Optimizer, device: torch.device, numel: int = 1 << 20) -> float:
+    """What moving ``optimizer``'s step to the host adds per byte of trainable parameters, measured
+    on a probe of ``numel`` elements: the gradient's copy down, the step on the host and the copy
+    back, less the step on ``device`` (the median of three after a warm-up). On a CPU both steps
+    run on the same cores and this is the copies' cost; on CUDA, where the host step overlaps the
+    backward, it is an upper bound."""
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    if not trainable:
+        return 0.0
+    dtype = max(trainable, key=local_bytes).dtype
+    host_device = torch.device("cpu")
+
+    def timer(on: torch.device, copies: bool) -> Callable[[], float]:
+        probe = torch.zeros(numel, dtype=dtype, device=on, requires_grad=True)
+        twin = optimizer_twin(optimizer, [probe], portable=on.type != "cuda")
+        grad = torch.ones(numel, dtype=dtype, device=device)
+        param = torch.zeros(numel, dtype=dtype, device=device)
+
+        def once() -> float:
+            _synchronize(device)
+            start = time.perf_counter_ns()
+            probe.grad = grad.to(on, copy=True) if copies else grad
+            twin.step()
+            if copies:
+                param.copy_(probe.detach())
+            _synchronize(device)
+            return time.perf_counter_ns() - start
+
+        return once
+
+    on_host, on_device = timer(host_device, copies=True), timer(device, copies=False)
+    on_host(), on_device()  # warm-up: the state is made
+    host = statistics.median(on_host() for _ in range(3))
+    own = statistics.median(on_device() for _ in range(3))
+    return max(0.0, host - own) / (numel * torch.empty((), dtype=dtype).element_size())
+
+
+def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> float:
+    """Time of ``optimizer``'s step on this machine's CPU per byte of parameter (a twin on a probe
+    of ``numel`` elements of its largest parameter's dtype, the median of three after the step
+    that makes the state): what ``tbp estimate`` charges for the host step, with the copies."""
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    dtype = max(trainable, key=local_bytes).dtype if trainable else torch.float32
+    with unset_fake_temporarily():
+        probe = torch.zeros(numel, dtype=dtype, requires_grad=True)
+        probe.grad = torch.ones(numel, dtype=dtype)
+        twin = optimizer_twin(optimizer, [probe], portable=True)
+        twin.step()
+        times = []
+        for _ in range(3):
+            start = time.perf_counter_ns()
+            twin.step()
+            times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / (numel * probe.element_size())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,157 @@
+"""The optimizer's state and step on the host (``optim/host_state.py``): weights equal to the
+ordinary step's, bit for bit (for every per-parameter optimizer in
+``test_optimizer_in_backward.py``); the state off the exact CPU meter (the emulated device) and out of
+what training holds; and whole fits of full fine-tunes under device budgets below what they
+reach with the state on the device, the planner taking it by itself."""
+
+from __future__ import annotations
+
+import gc
+
+import lightning as L
+import pytest
+import torch
+from test_loop_truth import _fit
+from test_optimizer_in_backward import _pair
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
+from lightning_tbp.memory.breakdown import tensor_bytes
+from lightning_tbp.memory.held import held_memory
+from lightning_tbp.memory.meters import allocator_peak
+from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import HostOptimizerState, host_step_ns_per_byte
+from lightning_tbp.remat.host_tier import host_use
+from lightning_tbp.testing.zoo_lightning import ZooModule
+
+CPU = torch.device("cpu")
+
+
+def test_the_state_leaves_the_meter_and_what_training_holds() -> None:
+    """The exact CPU meter of the training thread (the emulated device) sees the gradients and
+    no state; held memory counts no state, made or to come; the host ledger counts it all."""
+    peaks = {}
+    for on_host in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        stepper = OptimizerInBackward(optimizer)
+        if on_host:
+            before = host_use.live
+            stepper.host = HostOptimizerState(optimizer)
+            assert held_memory(model, [optimizer], CPU).optimizer_state == 0  # none to come either
+        x = torch.randn(8, 512)
+        readings = []
+        for _ in range(2):
+            gc.collect()
+            with allocator_peak(CPU) as reading, stepper.stepping():
+                model(x).sum().backward()
+            readings.append(reading.peak_bytes)
+        peaks[on_host] = readings
+        weights = sum(p.numel() * 4 for p in model.parameters())
+        state = tensor_bytes(model, [optimizer], CPU).optimizer_state
+        assert (state == 0) if on_host else (state >= 2 * weights)  # two moments per weight
+        if on_host:
+            # the masters and the two moments (and step counts) on the host
+            assert host_use.live - before >= 3 * weights
+            stepper.remove()
+            assert held_memory(model, [optimizer], CPU).optimizer_state >= 2 * weights  # the device's again
+    state_made = 2 * sum(p.numel() * 4 for p in model.parameters())
+    assert peaks[False][0] - peaks[True][0] >= state_made  # the first step made the state on the device
+    assert peaks[True][0] == peaks[True][1]
+
+
+def test_a_state_made_on_the_device_moves_to_the_host_and_steps_on() -> None:
+    """Taken after some ordinary steps (the planner adopts it when a budget needs it): the state
+    made so far goes to the host, and the weights go on as the ordinary steps'."""
+    plain, plain_opt, hosted, hosted_opt = _pair("adamw")
+    stepper = OptimizerInBackward(hosted_opt)
+    for step in range(4):
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(step))
+        for model, optimizer in ((plain, plain_opt), (hosted, hosted_opt)):
+            optimizer.zero_grad()
+            if step == 2 and model is hosted:
+                stepper.host = HostOptimizerState(hosted_opt)
+            if model is hosted and step >= 2:
+                with stepper.stepping():
+                    model(x).backward()
+            else:
+                model(x).backward()
+                optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), hosted.parameters(), strict=True))
+    saved = hosted_opt.state_dict()
+    assert torch.equal(saved["state"][0]["exp_avg"], plain_opt.state_dict()["state"][0]["exp_avg"])
+
+
+def test_the_host_step_is_priced_per_byte() -> None:
+    optimizer = torch.optim.AdamW(torch.nn.Linear(64, 64).parameters())
+    assert host_step_ns_per_byte(optimizer, CPU, numel=1 << 16) >= 0.0
+
+
+# -- whole fits, chosen by the planner ------------------------------------------------------------
+
+
+def _minimum(name: str, host_tier: str) -> int:
+    """The smallest device budget a fit of ``name`` can meet, as its refusal names it."""
+    module = ZooModule(name, batch=2)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    with pytest.raises(InfeasibleBudgetError) as error:
+        _fit(module, loader, TinyBackpropStrategy(memory_budget=1 << 10, host_tier=host_tier), max_steps=1)
+    fits = next(n for n in error.value.__notes__ if "or more fits" in n)
+    return int(fits.split("(")[-1].split(" bytes")[0])
+
+
+def _assert_full_fine_tune_fits_with_the_state_on_the_host(name: str) -> None:
+    """Below the lowest device budget reachable with the state on the device (every other action
+    taken), a whole fit keeps the budget and the prediction on every metered step and ends with
+    the weights of the plain fit."""
+    on_device, on_host = _minimum(name, "off"), _minimum(name, "auto")
+    module = ZooModule(name, batch=2)
+    state = 2 * sum(p.numel() * p.element_size() for p in module.parameters())
+    assert on_host <= on_device - state // 2, (on_host, on_device)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    run = _fit(module, loader, TinyBackpropStrategy(memory_budget=(on_host + on_device) // 2), max_steps=3)
+    plan = run["plan"]
+    assert plan.loop.host_state_bytes >= state and plan.loop.step_in_backward
+    assert any("the optimizer's state and step on the host" in action for action in plan.actions)
+    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
+    for step in run["loop_steps"]:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert abs(step["ratio"] - 1) <= 0.05, step
+    reference = ZooModule(name, batch=2)
+    torch.manual_seed(0)
+    L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(reference, loader)
+    for (path, a), b in zip(reference.named_parameters(), module.parameters(), strict=True):
+        assert torch.equal(a, b), path
+
+
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+def test_an_sdxl_style_full_fine_tune_fits_with_its_adam_state_on_the_host() -> None:
+    _assert_full_fine_tune_fits_with_the_state_on_the_host("sdxl_unet")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+@pytest.mark.parametrize("name", ["dit", "sd3", "wan", "auraflow"])
+def test_more_full_fine_tunes_fit_with_their_state_on_the_host(name: str) -> None:
+    _assert_full_fine_tune_fits_with_the_state_on_the_host(name)
+
+
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+def test_with_the_step_kept_after_the_backward_the_error_names_the_host_state_and_why_not() -> None:
+    module = ZooModule("sdxl_unet", batch=2)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    budget = sum(p.numel() * p.element_size() for p in module.parameters()) * 3 // 2
+    with pytest.raises(InfeasibleBudgetError) as raised:
+        _fit(module, loader, TinyBackpropStrategy(memory_budget=budget, optimizer_in_backward=False), max_steps=1)
+    notes = "\n".join(raised.value.__notes__)
+    assert "the optimizer's state and step on the host" in notes
+    assert "optimizer_in_backward=False keeps the step after the backward" in notes

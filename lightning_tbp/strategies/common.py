@@ -135,7 +135,10 @@ class TinyBackpropMixin:
             plan may offload blocks' saved activations to host memory and stream blocks' frozen
             weights from it, chosen per block by predicted time beside recomputation (see
             :mod:`lightning_tbp.remat.host_tier` and :mod:`lightning_tbp.remat.host_weights`;
-            a byte budget may then be below what the weights take); the plan report says so.
+            a byte budget may then be below what the weights take); where that is not enough
+            either, the optimizer's state and step go to the host too, each parameter stepped
+            there inside the backward (:mod:`lightning_tbp.optim.host_state`; needs
+            ``optimizer_in_backward`` not ``False``); the plan report says so.
             ``"on"``: from the first plan; ``"off"``: never. Not with DP or FSDP (``"on"`` is
             refused there, ``"auto"`` keeps every byte on the device).
         host_budget: the most bytes the host tier may hold per process (None: 80% of the host

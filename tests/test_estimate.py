@@ -137,6 +137,20 @@ def test_the_optimizer_stepping_inside_the_backward_is_estimated_within_five_per
     assert fused.minimum_device_bytes < ordinary.minimum_device_bytes
 
 
+def test_the_optimizer_state_on_the_host_is_estimated_within_five_percent() -> None:
+    """The state and step on the host: the device total against the same step measured exactly,
+    lower than the step inside the backward with the state on the device by about the state."""
+    build = _zoo_step("sdxl_unet")
+    hosted = estimate_step(build, device=CPU, step_in_backward=True, state_on_host=True)
+    measured = measure_step(build, step_in_backward=True, state_on_host=True)
+    assert abs(hosted.naive_peak_bytes / measured.peak_bytes - 1) <= TOLERANCE, (hosted.naive_peak_bytes, measured)
+    on_device = estimate_step(build, device=CPU, step_in_backward=True)
+    state = on_device.optimizer_state_bytes
+    assert hosted.optimizer_state_bytes == 0 and hosted.host_state_bytes >= state > 0
+    assert on_device.naive_peak_bytes - hosted.naive_peak_bytes >= 0.95 * state
+    assert hosted.host_step_seconds > 0 and "the optimizer's state and step on the host" in format_estimate(hosted)
+
+
 def test_a_config_that_does_not_fit_is_estimated_with_the_step_the_planner_would_take_too() -> None:
     """Under tiny_backprop (optimizer_in_backward='auto'), a device the ordinary step cannot fit
     is tried with the optimizer inside the backward, and the report says what that reaches."""
@@ -169,6 +183,8 @@ def test_a_config_that_does_not_fit_on_the_device_alone_is_estimated_with_the_ho
     assert estimate_dict(ordinary)["with_host_tier"]["minimum_plan_host_bytes"] == hosted.minimum_plan_host_bytes
     off = estimate_config(["-c", config, "--trainer.strategy.init_args.host_tier=off"], device_memory=1 << 20)
     assert off.with_host_tier is None
+    forced = estimate_config(["-c", config, "--trainer.strategy.init_args.optimizer_state_on_host=true"])
+    assert forced.step_in_backward and forced.host_state_bytes > 0 and forced.optimizer_state_bytes == 0
 
 
 def test_a_step_that_reads_tensor_values_is_refused_naming_the_line() -> None:

@@ -15,7 +15,7 @@ from test_loop_truth import _fit
 from test_optimizer_in_backward import _pair
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy
+from lightning_tbp import InfeasibleBudgetError, TinyBackpropFSDP2Strategy, TinyBackpropStrategy
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import held_memory
 from lightning_tbp.memory.meters import allocator_peak
@@ -101,6 +101,34 @@ def _minimum(name: str, host_tier: str) -> int:
     return int(fits.split("(")[-1].split(" bytes")[0])
 
 
+def _three_steps(module: L.LightningModule, loader: DataLoader, strategy: TinyBackpropStrategy | None = None) -> None:
+    torch.manual_seed(0)
+    L.Trainer(
+        strategy=strategy or "auto",
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(module, loader)
+
+
+def _assert_ends_as_the_plain_fit(module: L.LightningModule, name: str, loader: DataLoader) -> None:
+    reference = ZooModule(name, batch=2)
+    _three_steps(reference, loader)
+    for (path, a), b in zip(reference.named_parameters(), module.parameters(), strict=True):
+        assert torch.equal(a, b), path
+
+
+def _assert_every_step_keeps_its_word(steps: list[dict]) -> None:
+    assert [s["step"] for s in steps][:3] == [0, 1, 2]  # the first steps metered
+    for step in steps:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert abs(step["ratio"] - 1) <= 0.05, step
+
+
 def _assert_full_fine_tune_fits_with_the_state_on_the_host(name: str) -> None:
     """Below the lowest device budget reachable with the state on the device (every other action
     taken), a whole fit keeps the budget and the prediction on every metered step and ends with
@@ -114,23 +142,8 @@ def _assert_full_fine_tune_fits_with_the_state_on_the_host(name: str) -> None:
     plan = run["plan"]
     assert plan.loop.host_state_bytes >= state and plan.loop.step_in_backward
     assert any("the optimizer's state and step on the host" in action for action in plan.actions)
-    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
-    for step in run["loop_steps"]:
-        assert step["peak_bytes"] <= step["budget_bytes"], step
-        assert abs(step["ratio"] - 1) <= 0.05, step
-    reference = ZooModule(name, batch=2)
-    torch.manual_seed(0)
-    L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(reference, loader)
-    for (path, a), b in zip(reference.named_parameters(), module.parameters(), strict=True):
-        assert torch.equal(a, b), path
+    _assert_every_step_keeps_its_word(run["loop_steps"])
+    _assert_ends_as_the_plain_fit(module, name, loader)
 
 
 @pytest.mark.filterwarnings("ignore:.*planning at training step")
@@ -155,3 +168,34 @@ def test_with_the_step_kept_after_the_backward_the_error_names_the_host_state_an
     notes = "\n".join(raised.value.__notes__)
     assert "the optimizer's state and step on the host" in notes
     assert "optimizer_in_backward=False keeps the step after the backward" in notes
+
+
+def test_the_state_on_the_host_from_the_start_is_an_option_refused_by_name_where_it_cannot_run() -> None:
+    for options, named in (
+        ({"optimizer_in_backward": False}, "optimizer_in_backward=False"),
+        ({"host_tier": "off"}, "host_tier='off'"),
+        ({"dp": "ghost", "noise_multiplier": 1.0}, "dp='ghost'"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            TinyBackpropStrategy(optimizer_state_on_host=True, **options)
+    with pytest.raises(ValueError, match="tiny_backprop_fsdp2"):
+        TinyBackpropFSDP2Strategy(optimizer_state_on_host=True)
+    with pytest.raises(ValueError, match="must be True, False or 'auto'"):
+        TinyBackpropStrategy(optimizer_state_on_host="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_the_state_on_the_host_from_the_start_trains_as_the_plain_fit(budget: float | None) -> None:
+    """``optimizer_state_on_host=True``: from the first step (with no plan, or a plan that counts
+    it), every metered step within the budget and the prediction, the weights the plain fit's."""
+    module = ZooModule("dit", batch=2)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    strategy = TinyBackpropStrategy(memory_budget=budget, optimizer_state_on_host=True)
+    _three_steps(module, loader, strategy)
+    if budget is not None:
+        assert strategy.plan is not None
+        shape_plan = list(strategy.plan.shape_plans.values())[-1]
+        assert shape_plan.loop.host_state_bytes > 0 and not shape_plan.actions
+        _assert_every_step_keeps_its_word(strategy.loop_steps())
+    _assert_ends_as_the_plain_fit(module, "dit", loader)

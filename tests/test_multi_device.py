@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dp_reference import clipped_sum, per_sample_grads
-from multi_device import PER_RANK_BATCH, Regressor, regression_data
+from multi_device import PER_RANK_BATCH, Regressor, optimizer_for, regression_data
 
 import lightning_tbp  # noqa: F401  (registers the strategies)
 from lightning_tbp import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
@@ -52,7 +52,7 @@ def global_batches(out: Path) -> list[torch.Tensor]:
 def single_process_params(batches: list[torch.Tensor], scenario: str = "reference") -> dict[str, torch.Tensor]:
     """Plain autograd, no plan, one process, on the global batches the two ranks shared."""
     model = Regressor(scenario, Path("."))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = optimizer_for(scenario, model.parameters())
     data = regression_data()
     for indices in batches:
         _, x, t, y = data[indices]
@@ -109,13 +109,11 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
         if scenario.startswith("lora") and "lora_" not in name:
             assert torch.equal(params[name], initial[name]), f"frozen {name} moved"
     if scenario.endswith("_fused"):
-        trainable = sum(1 for _ in Regressor(scenario, out).net.parameters())
-        for rank in range(WORLD):
-            counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
-            assert counts == {"stepped": trainable, "after": 0}, (rank, counts)
+        _assert_every_parameter_stepped_inside(out, on_host=False)
     if scenario == "ddp_idle":
         for rank in range(WORLD):
-            assert json.loads((out / f"stepped_rank{rank}.json").read_text()) == {"stepped": 0, "after": 0}
+            counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
+            assert counts == {"stepped": 0, "after": 0, "on_host": False}
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())
@@ -123,6 +121,32 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
         records = [json.loads((out / "memory" / f"memory_rank{r}.json").read_text()) for r in range(WORLD)]
         assert [r["rank"] for r in records] == [0, 1]
         assert all(r["config"]["plan"]["predicted_peak_bytes"] > 0 and r["world_size"] == WORLD for r in records)
+
+
+def _assert_every_parameter_stepped_inside(out: Path, on_host: bool) -> None:
+    trainable = sum(1 for _ in Regressor("reference", out).net.parameters())
+    for rank in range(WORLD):
+        counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
+        assert counts == {"stepped": trainable, "after": 0, "on_host": on_host}, (rank, counts)
+
+
+@pytest.mark.slow
+def test_two_processes_step_adam_on_the_host_as_on_the_device(tmp_path) -> None:
+    """Adam's state and step on the host under DDP, each parameter stepped there once its bucket
+    is reduced: the weights of the same run with the state on the device, bit for bit (Adam
+    magnifies the reduction's rounding against one process, so that comparison is SGD's)."""
+    params, batches = {}, {}
+    for scenario in ("ddp_adam", "ddp_host"):
+        out = tmp_path / scenario
+        result = run_two_processes(scenario, out)
+        assert result.returncode == 0, result.stderr[-4000:]
+        params[scenario], batches[scenario] = torch.load(out / "params.pt"), global_batches(out)
+        _assert_every_parameter_stepped_inside(out, on_host=scenario == "ddp_host")
+    assert all(torch.equal(a, b) for a, b in zip(batches["ddp_adam"], batches["ddp_host"], strict=True))
+    for name, on_device in params["ddp_adam"].items():
+        assert torch.equal(params["ddp_host"][name], on_device), name
+    initial = torch.load(tmp_path / "ddp_host" / "initial.pt")
+    assert any(not torch.equal(p, initial[name]) for name, p in params["ddp_host"].items())  # it trained
 
 
 @pytest.mark.slow

@@ -108,14 +108,26 @@ def estimate_config(
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_allowed = privacy is None and getattr(trainer.strategy, "host_tier_supported", False)
         host_modes.append(host_mode if host_allowed else "off")
+        state_modes.append(getattr(trainer.strategy, "optimizer_state_on_host", "auto"))
         return step
 
     mixed: list[bool] = []
     modes: list[tuple[bool | str, list[str]]] = []
     host_modes: list[str] = []
+    state_modes: list[bool | str] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
     mode, blocked = modes[0]
-    host_mode = host_modes[0]
+    host_mode, state_mode = host_modes[0], state_modes[0]
+    if state_mode is True:  # the strategy refused what cannot run with it; so from the first step
+        return estimate_step(
+            build,
+            device=device,
+            device_memory=device_memory,
+            minimum=minimum,
+            step_in_backward=True,
+            host_tier=host_mode == "on",
+            state_on_host=True,
+        )
     if mode is True:
         if blocked:
             raise EstimateConfigError(f"optimizer_in_backward=True cannot run in this config: {'; '.join(blocked)}")
@@ -135,7 +147,7 @@ def estimate_config(
     if host_mode == "on" or (host_mode == "auto" and still_out):
         # what the planner would take on top: saved activations offloaded to host memory, and
         # after that the optimizer's state and step there
-        for state_on_host in (False, True) if fused else (False,):
+        for state_on_host in (False, True) if fused and state_mode == "auto" else (False,):
             estimate.with_host_tier = estimate_step(
                 build,
                 device=device,

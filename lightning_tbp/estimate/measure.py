@@ -20,6 +20,7 @@ from lightning_tbp.estimate.step import TrainingStep, clear_grads, module_state_
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.meters import allocator_peak, garbage_collection_held
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import HostOptimizerState
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,22 @@ class MeasuredStep:
 
 
 def measure_step(
-    build: Callable[[], TrainingStep], device: str = "cpu", step_in_backward: bool = False
+    build: Callable[[], TrainingStep], device: str = "cpu", step_in_backward: bool = False, state_on_host: bool = False
 ) -> MeasuredStep:
-    """``step_in_backward``: the metered step steps each parameter inside its backward."""
+    """``step_in_backward``: the metered step steps each parameter inside its backward;
+    ``state_on_host``: there, on the host, where the optimizer's state then is (with
+    ``step_in_backward``; ``optim/host_state.py``)."""
     step = build()
     step.optimizer_step(step.forward_backward)
     clear_grads(step)
     parameters, seen = module_state_bytes(step.modules, 1)
-    state = storage_bytes((t for o in step.optimizers for s in o.state.values() for t in plain_tensors(s)), 1, seen)
-    batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
     stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
+    if stepper is not None and state_on_host:
+        stepper.host = HostOptimizerState(stepper.optimizer)
+    state = storage_bytes(
+        (t for o in step.optimizers if not state_on_host for s in o.state.values() for t in plain_tensors(s)), 1, seen
+    )
+    batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
 
     def closure() -> Any:
         with stepping(stepper):

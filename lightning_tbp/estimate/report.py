@@ -75,6 +75,8 @@ def format_estimate(estimate: StepEstimate) -> str:
         loop = LoopModel(estimate.gradients_at_forward, step_in_backward=estimate.step_in_backward)
         lines.append(f"  the loop modelled: {loop.describe()}")
     lines += [f"  {label:<{width}}  {format_bytes(size):>12}" for label, size in rows if size]
+    if estimate.host_state_bytes:
+        lines.append(_host_state_line(estimate))
     lines.append(f"  {'naive peak (device total)':<{width}}  {format_bytes(estimate.naive_peak_bytes):>12}")
     if estimate.minimum_device_bytes is not None:
         lines.append(
@@ -100,11 +102,7 @@ def format_estimate(estimate: StepEstimate) -> str:
     if hosted is not None:
         inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
         if hosted.host_state_bytes:
-            inside = (
-                f", the optimizer's state and step there ({format_bytes(hosted.host_state_bytes)} with the trainable "
-                f"weights' copies; ~{hosted.host_step_seconds:.2f} s a step for the copies and the step on this "
-                "machine's CPU)"
-            )
+            inside = ", the optimizer's state and step there"
         lines.append(
             "with the host tier (saved activations offloaded to host memory where the plan chooses"
             f"{inside}; host_tier='auto' takes it by itself): naive peak {format_bytes(hosted.naive_peak_bytes)}"
@@ -115,6 +113,8 @@ def format_estimate(estimate: StepEstimate) -> str:
                 f"(its plan keeps {format_bytes(hosted.minimum_plan_host_bytes)} on the host)"
             )
         )
+        if hosted.host_state_bytes:
+            lines.append(_host_state_line(hosted))
         if hosted.fit is not None:
             lines.append("  " + _fit_line(hosted.fit))
     if estimate.unmeasured_workspace_ops:
@@ -124,6 +124,14 @@ def format_estimate(estimate: StepEstimate) -> str:
         )
     lines.append(f"(estimated in {estimate.estimate_seconds:.1f} s; what the figures model: docs/estimate.md)")
     return "\n".join(lines)
+
+
+def _host_state_line(estimate: StepEstimate) -> str:
+    return (
+        f"  the optimizer's state and step on the host: {format_bytes(estimate.host_state_bytes)} there with the "
+        f"trainable weights' copies; ~{estimate.host_step_seconds:.2f} s a step for the copies (at the modelled "
+        "link rate) and the step (at this machine's CPU rate)"
+    )
 
 
 def _fit_line(fit: PlanFit) -> str:

@@ -270,9 +270,9 @@ def estimate_step(
         step_model = step_model_for(step.target)
     host_state_bytes, host_step_seconds = 0, 0.0
     if state_on_host:
-        if not (step_in_backward and host_tier):
+        if not step_in_backward:
             raise ValueError(
-                "state_on_host steps inside the backward on the host tier: pass step_in_backward and host_tier"
+                "state_on_host steps each parameter on the host inside the backward: pass step_in_backward"
             )
         trainable_bytes = storage_bytes(trainable, model.allocation_rounding, set())
         host_state_bytes = optimizer_state + trainable_bytes

@@ -299,7 +299,7 @@ class Plan:
                 "(or 'auto', which uses it only where it can)"
             )
         host_budget = float("inf")
-        if offload:
+        if offload or loop.host_state_bytes:  # the optimizer's state there counts against it too
             host_budget = default_host_budget() if self.host_budget_bytes is None else self.host_budget_bytes
         simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside, host_budget)
         return Solver(simulator, selective=self._selective(), offload=offload)

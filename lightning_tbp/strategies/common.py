@@ -143,6 +143,12 @@ class TinyBackpropMixin:
             refused there, ``"auto"`` keeps every byte on the device).
         host_budget: the most bytes the host tier may hold per process (None: 80% of the host
             memory available at setup, split between the processes of one node).
+        optimizer_state_on_host: ``"auto"`` (default): the optimizer's state and step go to the
+            host where the host tier (above) needs them; ``True``: from the first step, each
+            parameter stepped there inside the backward, with or without a plan (what torchao's
+            ``CPUOffloadOptimizer`` does, with the user's own optimizer; refused where the step
+            cannot be inside the backward or with ``host_tier="off"``, DP or FSDP); ``False``:
+            never.
     """
 
     #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the
@@ -163,6 +169,7 @@ class TinyBackpropMixin:
         optimizer_in_backward: bool | Literal["auto"] = "auto",
         host_tier: HostTier = "auto",
         host_budget: int | None = None,
+        optimizer_state_on_host: bool | Literal["auto"] = "auto",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -185,6 +192,22 @@ class TinyBackpropMixin:
         self.host_budget = host_budget
         if optimizer_in_backward not in (True, False, "auto"):
             raise ValueError(f"optimizer_in_backward must be True, False or 'auto', got {optimizer_in_backward!r}")
+        if optimizer_state_on_host not in (True, False, "auto"):
+            raise ValueError(f"optimizer_state_on_host must be True, False or 'auto', got {optimizer_state_on_host!r}")
+        if optimizer_state_on_host is True:
+            conflicts = {
+                "optimizer_in_backward=False": optimizer_in_backward is False,
+                "host_tier='off'": host_tier == "off",
+                f"dp={dp!r}": dp is not None,
+                f"{getattr(self, 'strategy_name', type(self).__name__)}": not self.host_tier_supported,
+            }
+            named = [name for name, conflict in conflicts.items() if conflict]
+            if named:
+                raise ValueError(
+                    "optimizer_state_on_host=True steps each parameter on the host inside the backward, which "
+                    f"cannot run with {', '.join(named)}; change it, or pass optimizer_state_on_host='auto'"
+                )
+        self.optimizer_state_on_host = optimizer_state_on_host
         if (
             isinstance(verify_every_n_steps, bool)
             or not isinstance(verify_every_n_steps, int)
@@ -230,11 +253,15 @@ class TinyBackpropMixin:
         alternatives: list[LoopAlternative] = []
         if trainer.state.fn == "fit" and self.optimizer_in_backward is not False:
             self._in_backward, alternatives = self._step_in_backward(trainer)
-        elif trainer.state.fn == "fit" and self.host_tier != "off" and self.host_tier_supported:
+        elif trainer.state.fn == "fit" and self.optimizer_state_on_host == "auto" and self._may_host():
             # named by an infeasible budget's error: the state on the host steps inside the backward
             alternatives = [
                 self._state_on_host(None, ["optimizer_in_backward=False keeps the step after the backward"])
             ]
+        host_state_cost = None
+        if trainer.state.fn == "fit" and self.optimizer_state_on_host is True and self._in_backward is not None:
+            host_state_cost = self._host_state_cost()  # while the state is the device's
+            self._in_backward.keep_state_on_host()
         if trainer.state.fn == "fit" and self.memory_budget is not None:
             # a new plan for every fit: the last one was removed at teardown (also after a failed or
             # interrupted fit), and a resumed run's model may have changed since
@@ -249,6 +276,13 @@ class TinyBackpropMixin:
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
             self._alongside = AlongsideMeter(self.lightning_module, self.root_device, self._made_since_batch_start)
+            loop = loop_model(
+                self.lightning_module,
+                self.root_device,
+                step_in_backward=self._in_backward is not None and self._in_backward.enabled,
+            )
+            if host_state_cost is not None:
+                loop = loop.with_state_on_host(*host_state_cost)
             self.plan = Plan(
                 module,
                 self.memory_budget,
@@ -256,11 +290,7 @@ class TinyBackpropMixin:
                 agree=agree,
                 backward_passes=passes,
                 held=self.held_memory,
-                loop=loop_model(
-                    self.lightning_module,
-                    self.root_device,
-                    step_in_backward=self._in_backward is not None and self._in_backward.enabled,
-                ),
+                loop=loop,
                 alternatives=alternatives,
                 alongside=self._alongside,
                 host_tier=self.host_tier if self.host_tier_supported else "off",
@@ -309,7 +339,8 @@ class TinyBackpropMixin:
         (``True``; what blocks it raises), or idle with the plan's alternative that turns it on
         (``"auto"``; what blocks it goes into the alternative, for the plan's errors to name);
         with the host tier, the alternative after it: the optimizer's state and step on the host."""
-        automatic = self.optimizer_in_backward == "auto"
+        # the state on the host from the start steps inside the backward from the start
+        automatic = self.optimizer_in_backward == "auto" and self.optimizer_state_on_host is not True
         if automatic and self.memory_budget is None:
             return None, []  # no plan to take it
         blocked = (
@@ -350,9 +381,21 @@ class TinyBackpropMixin:
                     blocked="; ".join(blocked) if blocked else None,
                 )
             )
-        if self.host_tier != "off" and self.host_tier_supported:
+        if self.optimizer_state_on_host == "auto" and self._may_host():
             alternatives.append(self._state_on_host(stepping, blocked))
         return stepping, alternatives
+
+    def _may_host(self) -> bool:
+        """Whether plans under this strategy may use the host tier at all."""
+        return self.host_tier != "off" and self.host_tier_supported and self.privacy is None
+
+    def _host_state_cost(self) -> tuple[int, float]:
+        """What the optimizer's state on the host keeps there (a copy of each trainable weight,
+        the state, made or to come) and adds to a step's time (measured copies and host step);
+        asked while the state is still the device's."""
+        trainable = sum(local_bytes(p) for p in self.lightning_module.parameters() if p.requires_grad)
+        per_byte = host_step_ns_per_byte(self.optimizers[0], self.root_device)
+        return trainable + self.held_memory().optimizer_state, per_byte * trainable
 
     def _state_on_host(self, stepping: StepInBackward | None, blocked: list[str]) -> LoopAlternative:
         """The plan's alternative that keeps the optimizer's state on the host and steps each
@@ -361,9 +404,7 @@ class TinyBackpropMixin:
 
         def cost() -> tuple[int, float]:
             if not costs:
-                trainable = sum(local_bytes(p) for p in self.lightning_module.parameters() if p.requires_grad)
-                per_byte = host_step_ns_per_byte(self.optimizers[0], self.root_device)
-                costs.append((trainable + self.held_memory().optimizer_state, per_byte * trainable))
+                costs.append(self._host_state_cost())
             return costs[0]
 
         def adopt() -> None:

@@ -11,6 +11,8 @@ Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless s
                stepped inside its last backward and after it (stepped_rank{r}.json)
   ddp_idle     the same under "auto" with DDP's buckets as gradients: the communication hook in
                place, idle (the budget never needs the step inside the backward)
+  ddp_adam     ddp_fused with Adam
+  ddp_host     ddp_adam with the state and step on the host (optimizer_state_on_host=True)
   dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
                the gradient the optimizer saw (dp.pt, indices_rank{r}.pt)
   dp_noise     one DP step with noise 1 and a loss whose gradient is 0: the gradient is the noise
@@ -71,7 +73,13 @@ class Regressor(L.LightningModule):
             torch.save({k: v.detach().clone() for k, v in self.net.state_dict().items()}, self.out / "initial.pt")
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
+        return optimizer_for(self.scenario, self.parameters())
+
+
+def optimizer_for(scenario: str, params) -> torch.optim.Optimizer:
+    """Adam where the scenario moves its state to the host (SGD without momentum keeps none)."""
+    adam = scenario in ("ddp_adam", "ddp_host")
+    return torch.optim.Adam(params, lr=1e-2) if adam else torch.optim.SGD(params, lr=0.1)
 
 
 class DPRegressor(Regressor):
@@ -94,7 +102,7 @@ class StepCounts(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         stepper = trainer.strategy._in_backward.stepper
-        counts = {"stepped": stepper.stepped, "after": stepper.stepped_after}
+        counts = {"stepped": stepper.stepped, "after": stepper.stepped_after, "on_host": stepper.host is not None}
         (self.out / f"stepped_rank{trainer.global_rank}.json").write_text(json.dumps(counts))
 
 
@@ -114,6 +122,14 @@ if __name__ == "__main__":
 
         fused = {"ddp_fused": TinyBackpropDDPStrategy, "fsdp2_fused": TinyBackpropFSDP2Strategy}[scenario]
         strategy = fused(optimizer_in_backward=True)
+    if scenario == "ddp_adam":
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        strategy = TinyBackpropDDPStrategy(optimizer_in_backward=True)
+    if scenario == "ddp_host":
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        strategy = TinyBackpropDDPStrategy(optimizer_in_backward=True, optimizer_state_on_host=True)
     if scenario == "ddp_idle":  # "auto" with its communication hook in place, never needing the step
         from lightning_tbp import TinyBackpropDDPStrategy
 
@@ -128,7 +144,7 @@ if __name__ == "__main__":
         [MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=out / "memory")]
         if scenario == "ddp"
         else [StepCounts(out)]
-        if scenario.endswith(("_fused", "_idle"))
+        if scenario.endswith(("_fused", "_idle", "_adam", "_host"))
         else []
     )
     trainer = L.Trainer(

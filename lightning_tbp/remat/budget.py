@@ -124,6 +124,14 @@ def parse_budget(spec: object) -> MemoryBudget:
     raise ValueError(f"memory_budget={spec!r} is not valid; use {ACCEPTED_FORMS}")
 
 
+def device_level_ratio(measured_bytes: int, reference_bytes: int, streamed_bytes: int) -> float:
+    """``measured_bytes`` over ``reference_bytes`` (a prediction, a budget), both counted above
+    what stays on the device outside the step, as device levels: against the parameters as
+    loaded, a plan that streams ``streamed_bytes`` of weights can peak below zero, so those
+    bytes come back in on both sides."""
+    return (measured_bytes + streamed_bytes) / max(reference_bytes + streamed_bytes, 1)
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):

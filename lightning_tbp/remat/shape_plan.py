@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_tbp.memory.held import HeldMemory
-from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.budget import MemoryBudget, device_level_ratio, format_bytes
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.simulate import SimResult, Simulator
@@ -92,11 +92,8 @@ class ShapePlan:
         return self.planned.streamed_bytes
 
     def ratio(self, measured_bytes: int, reference_bytes: int) -> float:
-        """``measured_bytes`` over ``reference_bytes`` (a prediction, a budget), both counted
-        above what stays on the device outside the step: against the parameters as loaded, a plan
-        that streams weights (``streamed_bytes``) can peak below zero, so those bytes come back
-        in, and the ratio reads as one of device levels."""
-        return (measured_bytes + self.streamed_bytes) / max(reference_bytes + self.streamed_bytes, 1)
+        """``measured_bytes`` over ``reference_bytes`` as device levels (:func:`device_level_ratio`)."""
+        return device_level_ratio(measured_bytes, reference_bytes, self.streamed_bytes)
 
     def predicted_case_bytes(self, case: PriorGradients) -> int:
         """The predicted peak of a step in ``case`` (with the gradients the loop holds then)."""

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, peak_apart_from
-from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.budget import device_level_ratio, format_bytes
 from lightning_tbp.remat.replay import output_tensors
 from lightning_tbp.remat.signature import batch_size_of
 
@@ -126,12 +126,12 @@ class Verification:
     measured_bytes: int
     budget_bytes: int
     replanned: bool = False  # the budget was passed and the plan was solved again
-    streamed_bytes: int = 0  # weights the plan streams from the host (``ShapePlan.ratio``)
+    streamed_bytes: int = 0  # weights the plan streams from the host (``budget.device_level_ratio``)
 
     @property
     def ratio(self) -> float:
         """Measured over predicted peak (as device levels, where the plan streams weights)."""
-        return (self.measured_bytes + self.streamed_bytes) / max(self.predicted_bytes + self.streamed_bytes, 1)
+        return device_level_ratio(self.measured_bytes, self.predicted_bytes, self.streamed_bytes)
 
     @property
     def within_budget(self) -> bool:

@@ -217,12 +217,15 @@ def test_a_fit_ends_with_the_ordinary_fits_weights(options: dict, tmp_path) -> N
         assert torch.equal(a, b), path
 
 
-def test_a_resumed_fit_continues_as_one_fit(tmp_path) -> None:
+@pytest.mark.parametrize("on_host", [False, True])
+def test_a_resumed_fit_continues_as_one_fit(tmp_path, on_host: bool) -> None:
     """The optimizer's state, the schedule and the hooks survive a checkpoint (saved at an epoch's
-    end: Lightning restarts an unfinished epoch of a plain loader from its first batch)."""
+    end: Lightning restarts an unfinished epoch of a plain loader from its first batch), also
+    with the state on the host (``optimizer_state_on_host=True``: saved from the host, restored
+    into the masters)."""
 
     def fit(module: Regression, root, epochs: int, ckpt_path=None) -> L.Trainer:  # type: ignore[no-untyped-def]
-        strategy = TinyBackpropStrategy(memory_budget=None, optimizer_in_backward=True)
+        strategy = TinyBackpropStrategy(memory_budget=None, optimizer_in_backward=True, optimizer_state_on_host=on_host)
         trainer = _trainer(strategy, root, max_epochs=epochs)
         trainer.fit(module, _loader(), ckpt_path=ckpt_path)
         return trainer

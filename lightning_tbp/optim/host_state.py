@@ -165,34 +165,11 @@ def host_step_ns_per_byte(optimizer: Optimizer, device: torch.device, numel: int
     back, less the step on ``device`` (the median of three after a warm-up). On a CPU both steps
     run on the same cores and this is the copies' cost; on CUDA, where the host step overlaps the
     backward, it is an upper bound."""
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    if not trainable:
+    if not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
         return 0.0
-    dtype = max(trainable, key=local_bytes).dtype
-    host_device = torch.device("cpu")
-
-    def timer(on: torch.device, copies: bool) -> Callable[[], float]:
-        probe = torch.zeros(numel, dtype=dtype, device=on, requires_grad=True)
-        twin = optimizer_twin(optimizer, [probe], portable=on.type != "cuda")
-        grad = torch.ones(numel, dtype=dtype, device=device)
-        param = torch.zeros(numel, dtype=dtype, device=device)
-
-        def once() -> float:
-            _synchronize(device)
-            start = time.perf_counter_ns()
-            probe.grad = grad.to(on, copy=True) if copies else grad
-            twin.step()
-            if copies:
-                param.copy_(probe.detach())
-            _synchronize(device)
-            return time.perf_counter_ns() - start
-
-        return once
-
-    on_host, on_device = timer(host_device, copies=True), timer(device, copies=False)
-    on_host(), on_device()  # warm-up: the state is made
-    host = statistics.median(on_host() for _ in range(3))
-    own = statistics.median(on_device() for _ in range(3))
+    dtype = _largest_dtype(optimizer)
+    host = _median_step_ns(optimizer, dtype, numel, on=torch.device("cpu"), device=device, copies=True)
+    own = _median_step_ns(optimizer, dtype, numel, on=device, device=device, copies=False)
     return max(0.0, host - own) / (numel * torch.empty((), dtype=dtype).element_size())
 
 
@@ -200,19 +177,41 @@ def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> fl
     """Time of ``optimizer``'s step on this machine's CPU per byte of parameter (a twin on a probe
     of ``numel`` elements of its largest parameter's dtype, the median of three after the step
     that makes the state): what ``tbp estimate`` charges for the host step, with the copies."""
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    dtype = max(trainable, key=local_bytes).dtype if trainable else torch.float32
+    dtype = _largest_dtype(optimizer)
+    cpu = torch.device("cpu")
     with unset_fake_temporarily():
-        probe = torch.zeros(numel, dtype=dtype, requires_grad=True)
-        probe.grad = torch.ones(numel, dtype=dtype)
-        twin = optimizer_twin(optimizer, [probe], portable=True)
+        ns = _median_step_ns(optimizer, dtype, numel, on=cpu, device=cpu, copies=False)
+    return ns / (numel * torch.empty((), dtype=dtype).element_size())
+
+
+def _largest_dtype(optimizer: Optimizer) -> torch.dtype:
+    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return max(trainable, key=local_bytes).dtype if trainable else torch.float32
+
+
+def _median_step_ns(
+    optimizer: Optimizer, dtype: torch.dtype, numel: int, on: torch.device, device: torch.device, copies: bool
+) -> float:
+    """The median of three steps of a twin of ``optimizer`` on a probe of ``numel`` elements on
+    ``on`` (after a warm-up that makes its state); ``copies``: with the gradient's copy from the
+    training ``device`` and the new values' copy back."""
+    probe = torch.zeros(numel, dtype=dtype, device=on, requires_grad=True)
+    twin = optimizer_twin(optimizer, [probe], portable=on.type != "cuda")
+    grad = torch.ones(numel, dtype=dtype, device=device)
+    param = torch.zeros(numel, dtype=dtype, device=device)
+
+    def once() -> float:
+        _synchronize(device)
+        start = time.perf_counter_ns()
+        probe.grad = grad.to(on, copy=True) if copies else grad
         twin.step()
-        times = []
-        for _ in range(3):
-            start = time.perf_counter_ns()
-            twin.step()
-            times.append(time.perf_counter_ns() - start)
-    return statistics.median(times) / (numel * probe.element_size())
+        if copies:
+            param.copy_(probe.detach())
+        _synchronize(device)
+        return time.perf_counter_ns() - start
+
+    once()
+    return statistics.median(once() for _ in range(3))
 
 
 def _synchronize(device: torch.device) -> None:

@@ -12,6 +12,7 @@ from models import CASES, feasible_range, make_case
 
 from lightning_tbp import rematerialize
 from lightning_tbp.memory import allocator_peak, measure_peak
+from lightning_tbp.memory.meters import known_to_the_meter
 from lightning_tbp.remat import Option, Simulator, record_trace
 from lightning_tbp.remat.apply import InstalledWrappers
 
@@ -83,6 +84,21 @@ def test_cpu_meter_refuses_to_nest_in_a_running_profiler() -> None:
 
     with profile(activities=[ProfilerActivity.CPU]), pytest.raises(RuntimeError, match="already running"):
         measure_peak(lambda: None)
+
+
+def test_blocks_made_known_to_the_meter_count_when_a_later_region_frees_them() -> None:
+    """The free of a block allocated outside every region is not seen (the level would stay too
+    high by its size); one made inside ``known_to_the_meter`` is."""
+    nbytes = 4 * 2**20
+    unknown = torch.empty(nbytes, dtype=torch.uint8)
+    with known_to_the_meter("cpu"):
+        known = torch.empty(nbytes, dtype=torch.uint8)
+    with allocator_peak("cpu") as freeing_unknown:
+        del unknown
+    with allocator_peak("cpu") as freeing_known:
+        del known
+    assert freeing_unknown.net_bytes == 0
+    assert freeing_known.net_bytes == -nbytes
 
 
 def test_cpu_meter_collects_garbage_first_and_holds_the_collector_off() -> None:

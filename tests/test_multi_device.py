@@ -21,6 +21,7 @@ from multi_device import PER_RANK_BATCH, Regressor, optimizer_for, regression_da
 
 import lightning_tbp  # noqa: F401  (registers the strategies)
 from lightning_tbp import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
+from lightning_tbp.memory.record import plan_promise
 
 SCRIPT = Path(__file__).parent / "scripts" / "multi_device.py"
 WORLD = 2
@@ -121,6 +122,8 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
         records = [json.loads((out / "memory" / f"memory_rank{r}.json").read_text()) for r in range(WORLD)]
         assert [r["rank"] for r in records] == [0, 1]
         assert all(r["config"]["plan"]["predicted_peak_bytes"] > 0 and r["world_size"] == WORLD for r in records)
+        # the memory report's sampled steps, the re-bucketing one included, against the plan's device total
+        assert all(plan_promise(r) is not None and r["peak_memory_mb"] <= plan_promise(r).budget_mb for r in records)
 
 
 def _assert_every_parameter_stepped_inside(out: Path, on_host: bool) -> None:
@@ -128,6 +131,26 @@ def _assert_every_parameter_stepped_inside(out: Path, on_host: bool) -> None:
     for rank in range(WORLD):
         counts = json.loads((out / f"stepped_rank{rank}.json").read_text())
         assert counts == {"stepped": trainable, "after": 0, "on_host": on_host}, (rank, counts)
+
+
+@pytest.mark.slow
+def test_a_byte_budget_under_ddp_holds_for_the_whole_fit_with_its_gradient_buckets(tmp_path) -> None:
+    """DDP keeps a flat copy of the gradients for the run (its buckets) and replaces it in the
+    second step (re-bucketed in the first backward's order): the plan counts the copy as held,
+    so the whole fit on each rank, measured from before DDP wraps the model, stays within the
+    device's byte budget, and every metered step of the loop, the re-bucketing one included,
+    reads as predicted (the meter sees the old buckets' free)."""
+    out = tmp_path / "ddp_bytes"
+    result = run_two_processes("ddp_bytes", out)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for rank in range(WORLD):
+        record = json.loads((out / f"whole_fit_rank{rank}.json").read_text())
+        assert record["parameter_bytes"] + record["peak_bytes"] <= record["budget_bytes"], (rank, record)
+        steps = record["loop_steps"]
+        assert [step["step"] for step in steps] == [0, 1, 2]
+        for step in steps:
+            assert step["peak_bytes"] <= step["budget_bytes"], (rank, step)
+            assert abs(step["ratio"] - 1) <= 0.05, (rank, step)
 
 
 @pytest.mark.slow

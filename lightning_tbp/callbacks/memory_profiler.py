@@ -94,6 +94,7 @@ class MemoryProfilerCallback(Callback):
         self._batch_size: int | None = None
         self._history_on = False
         self._ready = False
+        self._held_beside = 0  # the strategy's communication buffers, when a batch is sampled
 
     # -- set-up: every option is checked before the first batch -----------------------------
 
@@ -153,6 +154,9 @@ class MemoryProfilerCallback(Callback):
         if self._batch_size is None:
             self._batch_size = extract_batch_size(batch)
         if self._sampling:
+            strategy = trainer.strategy
+            reporting = strategy if isinstance(strategy, MemoryReportingStrategy) else None
+            self._held_beside = 0 if reporting is None else reporting.communication_buffer_bytes()
             if not self._meter.active:
                 self._meter.begin()
             self._pending = []
@@ -219,7 +223,8 @@ class MemoryProfilerCallback(Callback):
     def _snapshots_of(self, readings: list[Any]) -> list[Snapshot]:
         assert self._meter is not None
         # CPU readings count from the batch's start: put the tracked bytes of that moment under them.
-        offset = 0 if self._meter.absolute else self._pending[0][3].tracked
+        # (and the strategy's communication buffers, which no tensor it tracks accounts for)
+        offset = 0 if self._meter.absolute else self._pending[0][3].tracked + self._held_beside
         start_current = readings[0].current_bytes + offset
         start_tracked = self._pending[0][3].tracked
         snapshots = []

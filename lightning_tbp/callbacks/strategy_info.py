@@ -23,3 +23,8 @@ class MemoryReportingStrategy(Protocol):
     def dp_buffer_stats(self) -> BufferStats | None:
         """The DP engine's held bytes (now, and the peak of its last backward); None without DP."""
         ...
+
+    def communication_buffer_bytes(self) -> int:
+        """Bytes it holds on the device for communication that no parameter, gradient or
+        optimizer state accounts for (DDP's gradient buckets)."""
+        ...

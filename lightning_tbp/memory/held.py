@@ -39,10 +39,11 @@ class HeldMemory:
     parameters: int = 0
     optimizer_state: int = 0  # existing plus predicted
     optimizer_state_pending: int = 0  # of which the first optimizer step has yet to create
+    gradient_buckets: int = 0  # DDP's: a copy of the trainable gradients, made as it wraps the model
 
     @property
     def total(self) -> int:
-        return self.parameters + self.optimizer_state
+        return self.parameters + self.optimizer_state + self.gradient_buckets
 
 
 def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], device: torch.device) -> HeldMemory:

@@ -346,3 +346,21 @@ def measure_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -
     with allocator_peak(device) as result:
         fn()
     return result
+
+
+@contextlib.contextmanager
+def known_to_the_meter(device: torch.device | str) -> Iterator[None]:
+    """Blocks allocated inside are known to every later exact CPU region, which then counts their
+    frees (the profiler's size table outlives its sessions).
+
+    For memory training holds outside any region that something frees inside one: DDP allocates
+    its gradient buckets when it wraps the model and replaces them in the second step's forward
+    (re-bucketed in the order of the first backward). Unknown to the meter, the new buckets
+    would count and the old ones' free would not: every later step would read their size too
+    high. Nothing on CUDA, whose allocator sees every free, nor under a profiler the meter
+    cannot run beside."""
+    if torch.device(device).type != "cpu" or foreign_profiler_active():
+        yield
+        return
+    with allocator_peak(device):
+        yield

@@ -160,7 +160,8 @@ def plan_promise(record: dict[str, Any]) -> PlanPromise | None:
     plan = record.get("config", {}).get("plan")
     if not plan or not plan.get("held_bytes"):
         return None
-    held = plan["held_bytes"]["parameters"] + plan["held_bytes"]["optimizer_state"]
+    parts = plan["held_bytes"]
+    held = parts["parameters"] + parts["optimizer_state"] + parts.get("gradient_buckets", 0)
     return PlanPromise(
         held / 2**20, (held + plan["budget"]["bytes"]) / 2**20, (held + plan["predicted_peak_bytes"]) / 2**20
     )

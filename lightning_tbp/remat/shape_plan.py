@@ -269,9 +269,11 @@ def describe_loss(loss_bytes: int, measured: bool) -> str:
 
 def describe_held(held: HeldMemory) -> str:
     pending = f", {format_bytes(held.optimizer_state_pending)} of it made at the first step"
+    buckets = f", DDP's gradient buckets {format_bytes(held.gradient_buckets)}"
     return (
         f"{format_bytes(held.total)} (parameters {format_bytes(held.parameters)}, optimizer state "
-        f"{format_bytes(held.optimizer_state)}{pending if held.optimizer_state_pending else ''})"
+        f"{format_bytes(held.optimizer_state)}{pending if held.optimizer_state_pending else ''}"
+        f"{buckets if held.gradient_buckets else ''})"
     )
 
 

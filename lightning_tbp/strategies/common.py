@@ -417,7 +417,7 @@ class TinyBackpropMixin:
             loop=lambda loop: loop.with_state_on_host(*cost()),
             adopt=adopt,
             blocked="; ".join(blocked) if blocked else None,
-            held=lambda held: HeldMemory(held.parameters),
+            held=lambda held: dataclasses.replace(held, optimizer_state=0, optimizer_state_pending=0),
             host_tier=True,
         )
 
@@ -442,6 +442,11 @@ class TinyBackpropMixin:
         """This device's parameters (shards, EMA copies included) and optimizer state, the part
         its first step will create included: a byte budget is the device's total, less these."""
         return held_memory(self.lightning_module, self.optimizers, self.root_device)
+
+    def communication_buffer_bytes(self) -> int:
+        """Bytes held for communication that no parameter, gradient or optimizer state accounts
+        for (none on one device)."""
+        return 0
 
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
         """How DP sums the ranks' clipped gradients (None: one process, nothing to sum)."""

@@ -16,6 +16,7 @@ the others down) stay Lightning's. What changes:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ from lightning_tbp.compat import (
     make_data_parallel_only,
     unflatten_dense_tensors,
 )
+from lightning_tbp.memory.held import HeldMemory, local_bytes
+from lightning_tbp.memory.meters import known_to_the_meter
 from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.strategies.common import TinyBackpropMixin
 
@@ -68,10 +71,26 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         if self.privacy is None:
-            super().configure_ddp()
+            with known_to_the_meter(self.root_device):  # the buckets it makes, freed when it re-buckets
+                super().configure_ddp()
             return
         assert self.model is not None
         broadcast_module_states(self.model)  # what DDP's constructor does: every rank starts from rank 0's weights
+
+    @override
+    def held_memory(self) -> HeldMemory:
+        """DDP's gradient buckets besides (:meth:`communication_buffer_bytes`)."""
+        return dataclasses.replace(super().held_memory(), gradient_buckets=self.communication_buffer_bytes())
+
+    @override
+    def communication_buffer_bytes(self) -> int:
+        """DDP's gradient buckets: one flat copy of every gradient it reduces, made as it wraps the
+        model and kept for the run. With ``gradient_as_bucket_view=True`` the gradients are views
+        of them, and the step's gradients, which the plan counts too, make its prediction an upper
+        bound by up to their size."""
+        if not isinstance(self.model, DistributedDataParallel):
+            return 0
+        return reduced_gradient_bytes(self.model)
 
     @override
     def _gradient_sum(self) -> Callable[[list[torch.Tensor]], None] | None:
@@ -101,6 +120,13 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
             )
         assert isinstance(self.model, DistributedDataParallel)
         self.model.register_comm_hook(stepper, _reduce_then_step)
+
+
+def reduced_gradient_bytes(ddp: DistributedDataParallel) -> int:
+    """Bytes of the gradients DDP reduces, which its buckets hold: those of its trainable
+    parameters that it was not told to ignore."""
+    ignored = ddp.parameters_to_ignore
+    return sum(local_bytes(p) for name, p in ddp.module.named_parameters() if p.requires_grad and name not in ignored)
 
 
 def _reduce_then_step(stepper: OptimizerInBackward, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

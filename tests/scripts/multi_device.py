@@ -11,6 +11,9 @@ Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless s
                stepped inside its last backward and after it (stepped_rank{r}.json)
   ddp_idle     the same under "auto" with DDP's buckets as gradients: the communication hook in
                place, idle (the budget never needs the step inside the backward)
+  ddp_bytes    ddp under a byte budget per device, the whole fit measured by the exact meter from
+               before DDP wraps the model (whole_fit_rank{r}.json: its peak, the parameters'
+               bytes, the budget, the loop's metered steps)
   ddp_adam     ddp_fused with Adam
   ddp_host     ddp_adam with the state and step on the host (optimizer_state_on_host=True)
   dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
@@ -32,6 +35,7 @@ from models import tiny_unet
 
 from lightning_tbp import MemoryProfilerCallback
 from lightning_tbp.diffusion import LoraOptions, add_lora
+from lightning_tbp.memory.meters import allocator_peak
 
 SAMPLES = 8
 PER_RANK_BATCH = 2
@@ -134,6 +138,12 @@ if __name__ == "__main__":
         from lightning_tbp import TinyBackpropDDPStrategy
 
         strategy = TinyBackpropDDPStrategy(gradient_as_bucket_view=True)
+    if scenario == "ddp_bytes":  # room for the planner's own measuring (about 8.6 MiB here) beside what is held
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        parameter_bytes = sum(p.numel() * p.element_size() for p in tiny_unet().parameters())
+        budget = 2 * parameter_bytes + 9 * 2**20  # the parameters, DDP's buckets (a copy of the gradients), the step
+        strategy = TinyBackpropDDPStrategy(memory_budget=budget)
     if scenario.startswith("dp"):
         from lightning_tbp import TinyBackpropDDPStrategy
 
@@ -159,7 +169,16 @@ if __name__ == "__main__":
         enable_model_summary=False,
         callbacks=callbacks,
     )
-    trainer.fit(model, DataLoader(regression_data(), batch_size=PER_RANK_BATCH))
+    with allocator_peak("cpu") as whole_fit:
+        trainer.fit(model, DataLoader(regression_data(), batch_size=PER_RANK_BATCH))
+    if scenario == "ddp_bytes":
+        record = {
+            "peak_bytes": whole_fit.peak_bytes,
+            "parameter_bytes": parameter_bytes,
+            "budget_bytes": budget,
+            "loop_steps": trainer.strategy.loop_steps(),
+        }
+        (out / f"whole_fit_rank{trainer.global_rank}.json").write_text(json.dumps(record))
     plan = trainer.strategy.plan
     rank = trainer.global_rank
     if plan is not None and plan.current is not None:

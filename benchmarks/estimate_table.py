@@ -140,9 +140,15 @@ SETUPS: dict[str, dict] = {
         state_on_host=True,
     ),
     "sd15_full_512_b4_state_on_host": dict(
-        model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", in_backward=True, host_tier=True,
+        model=sd15_unet,
+        latent=64,
+        batch=4,
+        text=(77, 768),
+        kind="unet",
+        in_backward=True,
+        host_tier=True,
         state_on_host=True,
-    ),  # fmt: skip
+    ),
     # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
     "wan14b_lora_480p_81f_b1_host_tier": dict(
         model=wan_14b, latent=(21, 60, 104), batch=1, kind="wan", lora=16, host_tier=True

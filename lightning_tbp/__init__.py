@@ -6,7 +6,7 @@
 """
 
 from lightning_tbp.callbacks import MemoryProfilerCallback
-from lightning_tbp.remat import InfeasibleBudgetError, NothingToPlanWarning, Plan, rematerialize
+from lightning_tbp.remat import InfeasibleBudgetError, NothingToPlanWarning, Plan, StallingPlanError, rematerialize
 from lightning_tbp.strategies import (
     TinyBackpropDDPStrategy,
     TinyBackpropFSDP2Strategy,
@@ -22,6 +22,7 @@ __all__ = [
     "MemoryProfilerCallback",
     "NothingToPlanWarning",
     "Plan",
+    "StallingPlanError",
     "TinyBackpropDDPStrategy",
     "TinyBackpropFSDP2Strategy",
     "TinyBackpropFSDPStrategy",

@@ -15,12 +15,13 @@ from test_loop_truth import _fit
 from test_optimizer_in_backward import _pair
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tbp import InfeasibleBudgetError, TinyBackpropFSDP2Strategy, TinyBackpropStrategy
+from lightning_tbp import InfeasibleBudgetError, StallingPlanError, TinyBackpropFSDP2Strategy, TinyBackpropStrategy
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import held_memory
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim import OptimizerInBackward
-from lightning_tbp.optim.host_state import HostOptimizerState, host_step_ns_per_byte
+from lightning_tbp.optim.host_state import HostOptimizerState
+from lightning_tbp.optim.step_cost import NO_COST, host_step_cost, in_backward_step_cost
 from lightning_tbp.remat.host_tier import host_use
 from lightning_tbp.testing.zoo_lightning import ZooModule
 
@@ -83,9 +84,19 @@ def test_a_state_made_on_the_device_moves_to_the_host_and_steps_on() -> None:
     assert torch.equal(saved["state"][0]["exp_avg"], plain_opt.state_dict()["state"][0]["exp_avg"])
 
 
-def test_the_host_step_is_priced_per_byte() -> None:
+def test_the_steps_are_priced_per_parameter_and_per_byte() -> None:
+    """Each parameter stepped alone costs something on its own (a small model's many tensors pay
+    mostly that), the more on the host (the copies and the hand-over to its worker thread, timed
+    in one process: the median of three, so compared with room for noise); a frozen model's
+    step costs nothing."""
     optimizer = torch.optim.AdamW(torch.nn.Linear(64, 64).parameters())
-    assert host_step_ns_per_byte(optimizer, CPU, numel=1 << 16) >= 0.0
+    device = in_backward_step_cost(optimizer, CPU, numel=1 << 16)
+    host = host_step_cost(optimizer, CPU, numel=1 << 16)
+    assert device.per_tensor_ns > 0 and device.per_byte_ns >= 0.0 and host.per_tensor_ns > 0
+    assert host.of(10, 1 << 20) > 0.5 * device.of(10, 1 << 20)
+    assert host.of(2, 0) == 2 * host.per_tensor_ns
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)
+    assert host_step_cost(torch.optim.AdamW(frozen.parameters()), CPU) == NO_COST
 
 
 # -- whole fits, chosen by the planner ------------------------------------------------------------
@@ -98,7 +109,8 @@ def _minimum(name: str, host_tier: str) -> int:
     with pytest.raises(InfeasibleBudgetError) as error:
         _fit(module, loader, TinyBackpropStrategy(memory_budget=1 << 10, host_tier=host_tier), max_steps=1)
     fits = next(n for n in error.value.__notes__ if "or more fits" in n)
-    return int(fits.split("(")[-1].split(" bytes")[0])
+    assert int(fits.split("(")[-1].split(" bytes")[0]) == error.value.minimum_device_bytes  # as the note says
+    return error.value.minimum_device_bytes
 
 
 def _three_steps(module: L.LightningModule, loader: DataLoader, strategy: TinyBackpropStrategy | None = None) -> None:
@@ -168,6 +180,24 @@ def test_with_the_step_kept_after_the_backward_the_error_names_the_host_state_an
     notes = "\n".join(raised.value.__notes__)
     assert "the optimizer's state and step on the host" in notes
     assert "optimizer_in_backward=False keeps the step after the backward" in notes
+
+
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+def test_a_fit_whose_host_step_would_stall_it_is_refused_before_its_first_step() -> None:
+    """The host's optimizer step counts in the predicted slowdown: under a limit below it, the
+    fit stops at its first batch, naming that part, with the weights untouched."""
+    module = ZooModule("dit", batch=2)
+    before = [p.detach().clone() for p in module.parameters()]
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    strategy = TinyBackpropStrategy(memory_budget=0.5, optimizer_state_on_host=True, max_slowdown=1.0)
+    with pytest.raises(StallingPlanError) as refused:
+        _three_steps(module, loader, strategy)
+    assert refused.value.parts["the optimizer's step and copies on the host"] > 0
+    assert "the optimizer's step and copies on the host" in str(refused.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+    for bad in (0.9, True):
+        with pytest.raises(ValueError, match="max_slowdown must be a factor >= 1"):
+            TinyBackpropStrategy(max_slowdown=bad)
 
 
 def test_the_state_on_the_host_from_the_start_is_an_option_refused_by_name_where_it_cannot_run() -> None:

@@ -16,7 +16,7 @@ from test_loop_truth import _assert_the_promise_holds, _fit
 from test_plan_fidelity import _measured
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
+from lightning_tbp import InfeasibleBudgetError, StallingPlanError, TinyBackpropStrategy, rematerialize
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, HostCopies, Resident, host_use, pack, unpack
@@ -177,6 +177,30 @@ def test_auto_takes_the_host_tier_only_where_the_device_alone_cannot_meet_the_bu
         assert "the host tier (host_tier='auto')" in tight.report()
     finally:
         tight.remove()
+
+
+def test_a_plan_predicted_to_stall_the_step_is_refused_with_what_slows_it() -> None:
+    """Below what recomputation reaches, the plan offloads; under the default limit (10x) it is
+    taken, and a limit below its predicted slowdown refuses it by name, naming the parts and the
+    fixes, and leaves the module unplanned."""
+    case = ZOO["flux"].case(batch=8)
+    model = case.model
+    without, with_host = _lowest(model, case, "off"), _lowest(model, case, "on")
+    budget = (with_host + without) // 2
+    plan = rematerialize(model, *case.args, memory_budget=budget, host_tier="on", **case.kwargs)
+    try:
+        shape_plan = plan.current
+        slowdown = shape_plan.planned_step_ns / shape_plan.step_ns
+        assert Option.OFFLOAD in shape_plan.options.values() and 1 < slowdown <= plan.max_slowdown == 10
+    finally:
+        plan.remove()
+    with pytest.raises(StallingPlanError, match=r"max_slowdown=1\b") as refused:
+        rematerialize(model, *case.args, memory_budget=budget, host_tier="on", max_slowdown=1.0, **case.kwargs)
+    assert refused.value.slowdown > 1 and refused.value.parts["recomputation and host copies"] > 0
+    assert "larger budget" in str(refused.value) and "None: no limit" in str(refused.value)
+    assert not model._forward_pre_hooks  # nothing left installed
+    with pytest.raises(ValueError, match="max_slowdown must be a factor >= 1"):
+        rematerialize(model, *case.args, memory_budget=budget, max_slowdown=0.5, **case.kwargs)
 
 
 @pytest.mark.slow

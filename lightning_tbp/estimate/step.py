@@ -45,7 +45,7 @@ from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.held import parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
-from lightning_tbp.optim.host_state import host_optimizer_ns_per_byte
+from lightning_tbp.optim.step_cost import host_optimizer_ns_per_byte
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator

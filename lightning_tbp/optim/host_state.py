@@ -26,8 +26,6 @@ teardown), so a later ``step()`` on the device needs it moved first.
 
 from __future__ import annotations
 
-import statistics
-import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -35,9 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch.optim import Optimizer
 
-from lightning_tbp.compat import unset_fake_temporarily
 from lightning_tbp.memory.breakdown import plain_tensors
-from lightning_tbp.memory.held import local_bytes, optimizer_twin
 from lightning_tbp.memory.homes import set_state_home, take_state_home
 from lightning_tbp.optim.in_backward import step_only
 from lightning_tbp.remat.host_tier import host_buffer, host_use
@@ -157,63 +153,3 @@ class HostOptimizerState:
                 nbytes = tensor.numel() * tensor.element_size()
                 host_use.allocated(nbytes)
                 weakref.finalize(tensor, host_use.freed, nbytes)
-
-
-def host_step_ns_per_byte(optimizer: Optimizer, device: torch.device, numel: int = 1 << 20) -> float:
-    """What moving ``optimizer``'s step to the host adds per byte of trainable parameters, measured
-    on a probe of ``numel`` elements: the gradient's copy down, the step on the host and the copy
-    back, less the step on ``device`` (the median of three after a warm-up). On a CPU both steps
-    run on the same cores and this is the copies' cost; on CUDA, where the host step overlaps the
-    backward, it is an upper bound."""
-    if not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
-        return 0.0
-    dtype = _largest_dtype(optimizer)
-    host = _median_step_ns(optimizer, dtype, numel, on=torch.device("cpu"), device=device, copies=True)
-    own = _median_step_ns(optimizer, dtype, numel, on=device, device=device, copies=False)
-    return max(0.0, host - own) / (numel * torch.empty((), dtype=dtype).element_size())
-
-
-def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> float:
-    """Time of ``optimizer``'s step on this machine's CPU per byte of parameter (a twin on a probe
-    of ``numel`` elements of its largest parameter's dtype, the median of three after the step
-    that makes the state): what ``tbp estimate`` charges for the host step, with the copies."""
-    dtype = _largest_dtype(optimizer)
-    cpu = torch.device("cpu")
-    with unset_fake_temporarily():
-        ns = _median_step_ns(optimizer, dtype, numel, on=cpu, device=cpu, copies=False)
-    return ns / (numel * torch.empty((), dtype=dtype).element_size())
-
-
-def _largest_dtype(optimizer: Optimizer) -> torch.dtype:
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    return max(trainable, key=local_bytes).dtype if trainable else torch.float32
-
-
-def _median_step_ns(
-    optimizer: Optimizer, dtype: torch.dtype, numel: int, on: torch.device, device: torch.device, copies: bool
-) -> float:
-    """The median of three steps of a twin of ``optimizer`` on a probe of ``numel`` elements on
-    ``on`` (after a warm-up that makes its state); ``copies``: with the gradient's copy from the
-    training ``device`` and the new values' copy back."""
-    probe = torch.zeros(numel, dtype=dtype, device=on, requires_grad=True)
-    twin = optimizer_twin(optimizer, [probe], portable=on.type != "cuda")
-    grad = torch.ones(numel, dtype=dtype, device=device)
-    param = torch.zeros(numel, dtype=dtype, device=device)
-
-    def once() -> float:
-        _synchronize(device)
-        start = time.perf_counter_ns()
-        probe.grad = grad.to(on, copy=True) if copies else grad
-        twin.step()
-        if copies:
-            param.copy_(probe.detach())
-        _synchronize(device)
-        return time.perf_counter_ns() - start
-
-    once()
-    return statistics.median(once() for _ in range(3))
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -6,7 +6,7 @@ from lightning_tbp.remat.plan import NothingToPlanWarning, Plan, ShapePlan, rema
 from lightning_tbp.remat.pricing import priced_by_flops
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, StallingPlanError
 from lightning_tbp.remat.verify import Verification
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "ShapePlan",
     "Simulator",
     "Solver",
+    "StallingPlanError",
     "Verification",
     "format_bytes",
     "parse_budget",

@@ -53,7 +53,13 @@ from lightning_tbp.remat.signature import (
     input_signature,
 )
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.solve import PLANNING_MARGIN, InfeasibleBudgetError, Solver
+from lightning_tbp.remat.solve import (
+    DEFAULT_MAX_SLOWDOWN,
+    PLANNING_MARGIN,
+    InfeasibleBudgetError,
+    Solver,
+    StallingPlanError,
+)
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
     PLAIN_LOOP,
@@ -111,6 +117,7 @@ class Plan:
         alongside: Callable[[tuple, dict], Alongside] | None = None,
         host_tier: HostTier = "off",
         host_budget_bytes: int | None = None,
+        max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN,
     ) -> None:
         """``measure=True``: the step that makes a plan is metered from the end of planning to
         :meth:`finish_measurement` (call it after the backward), if it starts without parameter
@@ -143,7 +150,14 @@ class Plan:
         keeps every byte on the device. Not with a step whose graph is backpropagated more than
         once or a DP engine (their saves are read outside autograd's hooks).
         ``host_budget_bytes``: the most plans may keep on the host at once (None: a share of the
-        host memory available when a plan is made, ``host_tier.default_host_budget``)."""
+        host memory available when a plan is made, ``host_tier.default_host_budget``).
+        ``max_slowdown``: the most times slower than without a plan a step may be predicted to
+        run (recomputation, host copies, the optimizer's step on the host): a plan beyond it
+        raises :class:`StallingPlanError` rather than train at a fraction of the speed (as
+        hand-set block swap does where the host link is slow). None: no limit."""
+        if max_slowdown is not None and not max_slowdown >= 1:
+            raise ValueError(f"max_slowdown must be a factor >= 1 or None, got {max_slowdown!r}")
+        self.max_slowdown = max_slowdown
         if host_budget_bytes is not None and host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")
         self.host_budget_bytes = host_budget_bytes
@@ -395,7 +409,23 @@ class Plan:
                 raise
             solved = self._solve_with_host_tier(profile, correction, error)
         solved.actions = (*self.actions, *self._host_tier_action)
+        self._refuse_stalling(solved)
         return solved
+
+    def _refuse_stalling(self, solved: ShapePlan) -> None:
+        """Raise :class:`StallingPlanError` where ``solved`` is predicted to run the step more
+        than ``max_slowdown`` times slower than the user's unplanned step (with the optimizer's
+        steps on the device where they are known: they are the user's anyway)."""
+        loop = solved.loop
+        unplanned = solved.step_ns - loop.step_inside_ns + loop.optimizer_ns
+        slowdown = solved.planned_step_ns / max(unplanned, 1.0)
+        if self.max_slowdown is None or slowdown <= self.max_slowdown:
+            return
+        parts = {
+            "recomputation and host copies": solved.planned.recompute_cost,
+            "the optimizer's step and copies on the host": max(0.0, loop.step_inside_ns - loop.optimizer_ns),
+        }
+        raise StallingPlanError(solved.budget_bytes, slowdown, self.max_slowdown, parts, unplanned)
 
     def _solve_in_loop(self, profile: _Profile, correction: float) -> ShapePlan:
         """Solve in the loop in force; where that cannot meet the budget, in the alternative loop,
@@ -478,6 +508,7 @@ class Plan:
             # compared from here on against what the loop holds without it (its message keeps its own)
             reached.budget_bytes -= freed
             reached.minimum_budget_bytes -= freed
+            reached.minimum_device_bytes = lower.minimum_device_bytes
             for note in getattr(lower, "__notes__", []):
                 reached.add_note(note)
             reached.add_note(
@@ -706,18 +737,22 @@ def rematerialize(
     memory_budget: BudgetSpec = "auto",
     host_tier: HostTier = "off",
     host_budget_bytes: int | None = None,
+    max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN,
     **example_kwargs: Any,
 ) -> Plan:
     """Install a rematerialization plan on ``module`` in place and return it.
 
     ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is
     made now, and a call with other shapes later gets its own plan (cached per signature).
-    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier`` and
-    ``host_budget_bytes``: see :class:`Plan`. Raises
-    :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits.
+    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier``,
+    ``host_budget_bytes`` and ``max_slowdown``: see :class:`Plan`. Raises
+    :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits,
+    :class:`~lightning_tbp.remat.solve.StallingPlanError` when the one that fits is too slow.
     Check it on a real step with :meth:`Plan.verify`.
     """
-    plan = Plan(module, memory_budget, host_tier=host_tier, host_budget_bytes=host_budget_bytes)
+    plan = Plan(
+        module, memory_budget, host_tier=host_tier, host_budget_bytes=host_budget_bytes, max_slowdown=max_slowdown
+    )
     try:
         with torch.enable_grad():
             plan.plan_for(example_args, example_kwargs)

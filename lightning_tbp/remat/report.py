@@ -51,7 +51,8 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         if sp.loop.host_state_bytes:
             uses.append(
                 f"the optimizer's state and step ({format_bytes(sp.loop.host_state_bytes)} with the trainable "
-                f"weights' copies; the step there adds about {sp.loop.host_step_ns / 1e6:.1f} ms, est.)"
+                f"weights' copies; its steps there take about {sp.loop.host_step_ns / 1e6:.1f} ms a step with the "
+                "copies, est.)"
             )
         if sp.streamed:
             uses.append(

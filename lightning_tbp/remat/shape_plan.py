@@ -237,6 +237,7 @@ def _explain(
     loss: str,
 ) -> None:
     if held is not None and budget.kind == "bytes":
+        error.minimum_device_bytes = error.minimum_budget_bytes + held.total
         error.add_note(
             f"the budget {budget.describe()} is the device's total, and training holds {describe_held(held)} "
             f"outside the step, which leaves "

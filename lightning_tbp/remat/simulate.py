@@ -55,8 +55,10 @@ class Simulator:
     def step_ns(self) -> float:
         """Predicted time of the unplanned step: the trace's forward and its backward per pass,
         plus what the step model adds (a DP engine's per-layer norms and clipped sums) and the
-        loop (the optimizer's step on the host)."""
-        return self.trace.step_ns(self.step.every_step_passes) + self.step.extra_ns(self.trace) + self.loop.host_step_ns
+        loop (the optimizer's steps inside the backward, on the device or the host)."""
+        return (
+            self.trace.step_ns(self.step.every_step_passes) + self.step.extra_ns(self.trace) + self.loop.step_inside_ns
+        )
 
     def cache_limit(self, node: int) -> int:
         """Heavy ops a selective checkpoint of ``node`` caches."""

@@ -83,6 +83,9 @@ class InfeasibleBudgetError(ValueError):
         minimum = budget_for_peak(minimum_peak_bytes)
         self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
         self.minimum_peak_bytes, self.host_bytes = minimum_peak_bytes, host_bytes
+        self.minimum_device_bytes: int | None = None
+        """For a byte budget, the device's total that fits: the step's minimum and what training
+        holds outside it (with whatever the plan took to lower that); None otherwise."""
         budget = (
             f"memory budget {format_bytes(budget_bytes)}"
             if budget_bytes >= 0
@@ -95,6 +98,29 @@ class InfeasibleBudgetError(ValueError):
             f"{format_bytes(naive_bytes)}; the lowest plan peaks at {format_bytes(minimum_peak_bytes)}{host}, "
             f"plus a {PLANNING_MARGIN:.0%} margin); pass memory_budget >= {minimum} (bytes) "
             f"or >= {math.ceil(minimum / naive_bytes * 1000) / 1000:.3f} (fraction)"
+        )
+
+
+#: The most times slower than the unplanned step a plan may be predicted to run by default: a
+#: tenth of the speed is where users of hand-set block swap report a fine-tune no longer usable.
+DEFAULT_MAX_SLOWDOWN = 10.0
+
+
+class StallingPlanError(ValueError):
+    """The plan that meets the memory budget is predicted to run the step more than
+    ``max_slowdown`` times slower than without a plan (host transfers that would stall it)."""
+
+    def __init__(
+        self, budget_bytes: int, slowdown: float, max_slowdown: float, parts: dict[str, float], unplanned_ns: float
+    ) -> None:
+        self.budget_bytes, self.slowdown, self.max_slowdown, self.parts = budget_bytes, slowdown, max_slowdown, parts
+        what = ", ".join(f"{name} {ns / 1e6:.1f} ms" for name, ns in parts.items() if ns > 0)
+        super().__init__(
+            f"the plan that meets the memory budget {format_bytes(budget_bytes)} is predicted to run the step "
+            f"{slowdown:.1f}x slower than without a plan ({unplanned_ns / 1e6:.1f} ms, plus {what}), above "
+            f"max_slowdown={max_slowdown:g}: it would stall on what it moves and recomputes rather than train. "
+            "Give it a larger budget (or a device whose link to the host is faster), or pass a larger "
+            "max_slowdown (None: no limit) to run it anyway"
         )
 
 

@@ -102,12 +102,13 @@ class LoopModel:
     parameter's bytes while it runs, and frees the gradient; there is no step after the backward.
     Where the loop holds no earlier gradients (``RELEASED`` alone) that is simulated as it
     happens; in the loop's other cases the gradients are counted as kept (an upper bound: the
-    step that frees them is the last micro-batch's only).
+    step that frees them is the last micro-batch's only). ``optimizer_ns``: the time of those
+    steps on the device, one parameter at a time (``optim/step_cost.py``; 0: not measured).
 
     ``host_state_bytes``: the optimizer's state and its step are on the host (it steps inside
     the backward, ``optim/host_state.py``): what it keeps there through the step (a copy of each
-    trainable parameter and the state), for the host budget; ``host_step_ns`` what that adds to
-    a step's time (copies, and the host step beyond the device's)."""
+    trainable parameter and the state), for the host budget; ``host_step_ns`` the time of those
+    steps there, with the copies, in place of the device's."""
 
     gradients: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     optimizer_step_bytes: int = 0
@@ -115,20 +116,29 @@ class LoopModel:
     parameter_step_ratio: float = 0.0
     host_state_bytes: int = 0
     host_step_ns: float = 0.0
+    optimizer_ns: float = 0.0
 
-    def with_step_in_backward(self, parameter_step_ratio: float) -> LoopModel:
+    def with_step_in_backward(self, parameter_step_ratio: float, optimizer_ns: float = 0.0) -> LoopModel:
         """This loop with the optimizer stepping inside the backward: no step's gradients outlive
         its backward (only accumulation keeps them), and no step comes after it."""
         return LoopModel(
             self.gradients - {PriorGradients.UNTIL_BACKWARD},
             step_in_backward=True,
             parameter_step_ratio=parameter_step_ratio,
+            optimizer_ns=optimizer_ns,
         )
 
-    def with_state_on_host(self, host_state_bytes: int, host_step_ns: float) -> LoopModel:
+    def with_state_on_host(self, host_state_bytes: int, host_step_ns: float, optimizer_ns: float = 0.0) -> LoopModel:
         """This loop with the optimizer stepping inside the backward on the host, its state there:
         each gradient goes as it is complete, and the step's temporaries are the host's."""
-        return replace(self.with_step_in_backward(0.0), host_state_bytes=host_state_bytes, host_step_ns=host_step_ns)
+        return replace(
+            self.with_step_in_backward(0.0, optimizer_ns), host_state_bytes=host_state_bytes, host_step_ns=host_step_ns
+        )
+
+    @property
+    def step_inside_ns(self) -> float:
+        """Time the optimizer's steps add inside the training step (0 when it steps after it)."""
+        return self.host_step_ns if self.host_state_bytes else self.optimizer_ns
 
     def describe(self) -> str:
         cases = {

@@ -32,14 +32,15 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
-from lightning_tbp.memory.held import HeldMemory, held_memory, local_bytes, parameter_step_ratio
+from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
-from lightning_tbp.optim.host_state import host_step_ns_per_byte
+from lightning_tbp.optim.step_cost import host_step_cost, in_backward_ns, in_backward_step_cost, trainable_of
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.signature import Signature
+from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
 from lightning_tbp.strategies.alongside import AlongsideMeter, storages_on
@@ -149,6 +150,10 @@ class TinyBackpropMixin:
             ``CPUOffloadOptimizer`` does, with the user's own optimizer; refused where the step
             cannot be inside the backward or with ``host_tier="off"``, DP or FSDP); ``False``:
             never.
+        max_slowdown: the most times slower than without a plan a step may be predicted to run
+            (recomputation, host copies, the optimizer's step on the host; default 10): a budget
+            only a slower plan meets raises :class:`~lightning_tbp.remat.StallingPlanError`
+            naming the parts. None: no limit.
     """
 
     #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the
@@ -170,9 +175,13 @@ class TinyBackpropMixin:
         host_tier: HostTier = "auto",
         host_budget: int | None = None,
         optimizer_state_on_host: bool | Literal["auto"] = "auto",
+        max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        if max_slowdown is not None and (isinstance(max_slowdown, bool) or not max_slowdown >= 1):
+            raise ValueError(f"max_slowdown must be a factor >= 1 or None, got {max_slowdown!r}")
+        self.max_slowdown = max_slowdown
         if host_tier not in ("off", "on", "auto"):
             raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
         if host_tier == "on" and not self.host_tier_supported:
@@ -294,6 +303,7 @@ class TinyBackpropMixin:
                 alternatives=alternatives,
                 alongside=self._alongside,
                 host_tier=self.host_tier if self.host_tier_supported else "off",
+                max_slowdown=self.max_slowdown,
                 host_budget_bytes=(
                     default_host_budget(getattr(self, "num_processes", 1))
                     if self.host_budget is None
@@ -376,7 +386,9 @@ class TinyBackpropMixin:
             alternatives.append(
                 LoopAlternative(
                     action="the optimizer step inside the backward (optimizer_in_backward='auto')",
-                    loop=lambda loop: loop.with_step_in_backward(parameter_step_ratio(optimizers, device)),
+                    loop=lambda loop: loop.with_step_in_backward(
+                        parameter_step_ratio(optimizers, device), in_backward_ns(optimizers[0], device)
+                    ),
                     adopt=stepping.enable if stepping is not None else _never,
                     blocked="; ".join(blocked) if blocked else None,
                 )
@@ -389,20 +401,22 @@ class TinyBackpropMixin:
         """Whether plans under this strategy may use the host tier at all."""
         return self.host_tier != "off" and self.host_tier_supported and self.privacy is None
 
-    def _host_state_cost(self) -> tuple[int, float]:
+    def _host_state_cost(self) -> tuple[int, float, float]:
         """What the optimizer's state on the host keeps there (a copy of each trainable weight,
-        the state, made or to come) and adds to a step's time (measured copies and host step);
-        asked while the state is still the device's."""
-        trainable = sum(local_bytes(p) for p in self.lightning_module.parameters() if p.requires_grad)
-        per_byte = host_step_ns_per_byte(self.optimizers[0], self.root_device)
-        return trainable + self.held_memory().optimizer_state, per_byte * trainable
+        the state, made or to come), the time of its steps there with the copies, and of the same
+        steps on the device (measured); asked while the state is still the device's."""
+        optimizer = self.optimizers[0]
+        trainable = trainable_of(optimizer)
+        host = host_step_cost(optimizer, self.root_device).of(*trainable)
+        device = in_backward_step_cost(optimizer, self.root_device).of(*trainable)
+        return trainable[1] + self.held_memory().optimizer_state, host, device
 
     def _state_on_host(self, stepping: StepInBackward | None, blocked: list[str]) -> LoopAlternative:
         """The plan's alternative that keeps the optimizer's state on the host and steps each
         parameter there inside the backward (``optim/host_state.py``), priced when first tried."""
-        costs: list[tuple[int, float]] = []
+        costs: list[tuple[int, float, float]] = []
 
-        def cost() -> tuple[int, float]:
+        def cost() -> tuple[int, float, float]:
             if not costs:
                 costs.append(self._host_state_cost())
             return costs[0]

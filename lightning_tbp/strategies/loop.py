@@ -33,6 +33,7 @@ from torch import nn
 from lightning_tbp.compat import lightning_skips_backward
 from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes, parameter_step_ratio
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, peak_apart_from
+from lightning_tbp.optim.step_cost import in_backward_ns
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
@@ -90,7 +91,9 @@ def loop_model(module: pl.LightningModule, device: torch.device, step_in_backwar
         if trainer.accumulate_grad_batches > 1:
             cases.add(PriorGradients.ACCUMULATED)
     if step_in_backward:
-        return LoopModel(frozenset(cases)).with_step_in_backward(parameter_step_ratio(trainer.optimizers, device))
+        optimizers = trainer.optimizers
+        ratio, optimizer_ns = parameter_step_ratio(optimizers, device), in_backward_ns(optimizers[0], device)
+        return LoopModel(frozenset(cases)).with_step_in_backward(ratio, optimizer_ns)
     return LoopModel(frozenset(cases), optimizer_step_bytes(trainer.optimizers, device))
 
 

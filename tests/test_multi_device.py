@@ -91,12 +91,16 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle"])
+@pytest.mark.parametrize(
+    "scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle", "ddp_host_tier"]
+)
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
     """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
     reduced (DDP's communication hook, FSDP2's post-reduce-scatter hooks): the same weights, every
     parameter stepped inside the backward on every rank. ``ddp_idle``: "auto" with the hook in
-    place and no need of the step: DDP's own reduction, nothing stepped inside."""
+    place and no need of the step: DDP's own reduction, nothing stepped inside. ``ddp_host_tier``:
+    a budget only the host tier meets, every metered step of the loop within it and 5% of the
+    prediction on both ranks."""
     out = tmp_path / scenario
     result = run_two_processes(scenario, out)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -118,6 +122,14 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())
+    if scenario in ("ddp", "ddp_host_tier"):
+        for rank in range(WORLD):
+            steps = json.loads((out / f"loop_steps_rank{rank}.json").read_text())
+            assert [step["step"] for step in steps][:3] == [0, 1, 2], (rank, steps)
+            for step in steps:
+                assert step["peak_bytes"] <= step["budget_bytes"] and abs(step["ratio"] - 1) <= 0.05, (rank, step)
+    if scenario == "ddp_host_tier":
+        assert "OFFLOAD" in plans[0].values()
     if scenario == "ddp":
         records = [json.loads((out / "memory" / f"memory_rank{r}.json").read_text()) for r in range(WORLD)]
         assert [r["rank"] for r in records] == [0, 1]

@@ -8,6 +8,7 @@ for a device size by running that plan.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import sys
@@ -149,6 +150,14 @@ def test_the_optimizer_state_on_the_host_is_estimated_within_five_percent() -> N
     assert hosted.optimizer_state_bytes == 0 and hosted.host_state_bytes >= state > 0
     assert on_device.naive_peak_bytes - hosted.naive_peak_bytes >= 0.95 * state
     assert hosted.host_step_seconds > 0 and "the optimizer's state and step on the host" in format_estimate(hosted)
+    # the slowdown the strategies' max_slowdown is checked against, said where it would refuse
+    assert hosted.step_seconds > 0
+    assert hosted.host_slowdown == (hosted.step_seconds + hosted.host_step_seconds) / hosted.step_seconds
+    refused = dataclasses.replace(hosted, host_step_seconds=11 * hosted.step_seconds)
+    assert "max_slowdown=10, which refuses it" in format_estimate(refused)
+    assert "which refuses it" not in format_estimate(
+        dataclasses.replace(hosted, host_step_seconds=0.5 * hosted.step_seconds)
+    )
 
 
 def test_a_config_that_does_not_fit_is_estimated_with_the_step_the_planner_would_take_too() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from lightning_tbp.estimate.step import PlanFit, StepEstimate
 from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
@@ -52,6 +53,8 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         "minimum_plan_host_bytes": estimate.minimum_plan_host_bytes,
         "host_state_bytes": estimate.host_state_bytes,
         "host_step_seconds": estimate.host_step_seconds,
+        "step_seconds": estimate.step_seconds,
+        "host_slowdown": estimate.host_slowdown,
         "with_host_tier": None if estimate.with_host_tier is None else estimate_dict(estimate.with_host_tier),
     }
 
@@ -127,10 +130,18 @@ def format_estimate(estimate: StepEstimate) -> str:
 
 
 def _host_state_line(estimate: StepEstimate) -> str:
+    slowdown = estimate.host_slowdown
+    refused = (
+        f"; above the strategies' default max_slowdown={DEFAULT_MAX_SLOWDOWN:g}, which refuses it "
+        "(StallingPlanError): pass a larger max_slowdown, or step on a host CPU that is faster than this one"
+        if slowdown > DEFAULT_MAX_SLOWDOWN
+        else ""
+    )
     return (
         f"  the optimizer's state and step on the host: {format_bytes(estimate.host_state_bytes)} there with the "
         f"trainable weights' copies; ~{estimate.host_step_seconds:.2f} s a step for the copies (at the modelled "
-        "link rate) and the step (at this machine's CPU rate)"
+        f"link rate) and the step (at this machine's CPU rate), against ~{estimate.step_seconds:.2f} s for the "
+        f"unplanned step on the device: {slowdown:.1f}x{refused}"
     )
 
 

@@ -160,6 +160,13 @@ class StepEstimate:
     # ``optimizer_state_bytes`` is the device's: none), and what that step adds to a step's time
     host_state_bytes: int = 0
     host_step_seconds: float = 0.0
+    step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
+
+    @property
+    def host_slowdown(self) -> float:
+        """How many times its unplanned step the step with the optimizer on the host takes (1: none
+        there): what the strategies' ``max_slowdown`` is checked against."""
+        return (self.step_seconds + self.host_step_seconds) / max(self.step_seconds, 1e-9)
 
     @property
     def held_bytes(self) -> int:
@@ -323,6 +330,7 @@ def estimate_step(
         host_tier=host_tier,
         host_state_bytes=host_state_bytes,
         host_step_seconds=host_step_seconds,
+        step_seconds=(solver.sim.step_ns - loop.step_inside_ns) / 1e9,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:

@@ -90,6 +90,9 @@ def unet_call(model: nn.Module, latents: torch.Tensor, text: torch.Tensor, sdxl:
     return model(latents, t, encoder_hidden_states=text, **extra).sample
 
 
+#: exact fp32 AdamW with its state and step on the host needs the step inside the backward and the host tier
+STATE_ON_HOST = dict(in_backward=True, host_tier=True, state_on_host=True)
+
 SETUPS: dict[str, dict] = {
     "sd15_full_512_b4": dict(model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet"),
     "sd15_lora_512_b4": dict(model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", lora=16),
@@ -130,24 +133,10 @@ SETUPS: dict[str, dict] = {
     "flux_lora_1024_b1_host_tier": dict(model=flux, latent=128, batch=1, kind="flux", lora=16, host_tier=True),
     # exact fp32 AdamW, its state and step on the host, each parameter stepped inside the backward
     "sdxl_full_1024_b1_state_on_host": dict(
-        model=sdxl_unet,
-        latent=128,
-        batch=1,
-        text=(77, 2048),
-        kind="sdxl",
-        in_backward=True,
-        host_tier=True,
-        state_on_host=True,
+        model=sdxl_unet, latent=128, batch=1, text=(77, 2048), kind="sdxl", **STATE_ON_HOST
     ),
     "sd15_full_512_b4_state_on_host": dict(
-        model=sd15_unet,
-        latent=64,
-        batch=4,
-        text=(77, 768),
-        kind="unet",
-        in_backward=True,
-        host_tier=True,
-        state_on_host=True,
+        model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", **STATE_ON_HOST
     ),
     # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
     "wan14b_lora_480p_81f_b1_host_tier": dict(

@@ -38,9 +38,13 @@ class StepCost:
 NO_COST = StepCost(0.0, 0.0)
 
 
+def _trainable(optimizer: Optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
 def trainable_of(optimizer: Optimizer) -> tuple[int, int]:
     """How many parameters ``optimizer`` steps, and their bytes (this process's shards)."""
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    trainable = _trainable(optimizer)
     return len(trainable), sum(local_bytes(p) for p in trainable)
 
 
@@ -52,6 +56,11 @@ def in_backward_step_cost(optimizer: Optimizer, device: torch.device, numel: int
 def in_backward_ns(optimizer: Optimizer, device: torch.device) -> float:
     """Time of ``optimizer``'s steps inside the backward, each of its parameters alone, on ``device``."""
     return in_backward_step_cost(optimizer, device).of(*trainable_of(optimizer))
+
+
+def host_ns(optimizer: Optimizer, device: torch.device) -> float:
+    """Time of ``optimizer``'s steps on the host, with the copies, for a model trained on ``device``."""
+    return host_step_cost(optimizer, device).of(*trainable_of(optimizer))
 
 
 def host_step_cost(optimizer: Optimizer, device: torch.device, numel: int = 1 << 20) -> StepCost:
@@ -76,7 +85,7 @@ def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> fl
 def _measured(
     optimizer: Optimizer, device: torch.device, numel: int, on: torch.device, worker: ThreadPoolExecutor | None
 ) -> StepCost:
-    if not any(p.requires_grad for g in optimizer.param_groups for p in g["params"]):
+    if not _trainable(optimizer):
         return NO_COST
     dtype = _largest_dtype(optimizer)
     one, many = (_median_step_ns(optimizer, dtype, n, on, device, worker) for n in (1, numel))
@@ -85,7 +94,7 @@ def _measured(
 
 
 def _largest_dtype(optimizer: Optimizer) -> torch.dtype:
-    trainable = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    trainable = _trainable(optimizer)
     return max(trainable, key=local_bytes).dtype if trainable else torch.float32
 
 

@@ -59,6 +59,7 @@ from lightning_tbp.remat.solve import (
     InfeasibleBudgetError,
     Solver,
     StallingPlanError,
+    check_max_slowdown,
 )
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
@@ -155,8 +156,7 @@ class Plan:
         run (recomputation, host copies, the optimizer's step on the host): a plan beyond it
         raises :class:`StallingPlanError` rather than train at a fraction of the speed (as
         hand-set block swap does where the host link is slow). None: no limit."""
-        if max_slowdown is not None and not max_slowdown >= 1:
-            raise ValueError(f"max_slowdown must be a factor >= 1 or None, got {max_slowdown!r}")
+        check_max_slowdown(max_slowdown)
         self.max_slowdown = max_slowdown
         if host_budget_bytes is not None and host_budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {host_budget_bytes}")

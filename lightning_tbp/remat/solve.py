@@ -106,6 +106,14 @@ class InfeasibleBudgetError(ValueError):
 DEFAULT_MAX_SLOWDOWN = 10.0
 
 
+def check_max_slowdown(max_slowdown: object) -> None:
+    """Refuse a ``max_slowdown`` that is not a factor >= 1 or None, by name."""
+    if max_slowdown is not None and (
+        isinstance(max_slowdown, bool) or not isinstance(max_slowdown, int | float) or not max_slowdown >= 1
+    ):
+        raise ValueError(f"max_slowdown must be a factor >= 1 or None, got {max_slowdown!r}")
+
+
 class StallingPlanError(ValueError):
     """The plan that meets the memory budget is predicted to run the step more than
     ``max_slowdown`` times slower than without a plan (host transfers that would stall it)."""

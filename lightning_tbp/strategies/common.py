@@ -34,13 +34,13 @@ from typing_extensions import override
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
-from lightning_tbp.optim.step_cost import host_step_cost, in_backward_ns, in_backward_step_cost, trainable_of
+from lightning_tbp.optim.step_cost import host_ns, in_backward_ns, trainable_of
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.signature import Signature
-from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN
+from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN, check_max_slowdown
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
 from lightning_tbp.remat.verify import StepClock, can_meter, describe_step_time
 from lightning_tbp.strategies.alongside import AlongsideMeter, storages_on
@@ -179,8 +179,7 @@ class TinyBackpropMixin:
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        if max_slowdown is not None and (isinstance(max_slowdown, bool) or not max_slowdown >= 1):
-            raise ValueError(f"max_slowdown must be a factor >= 1 or None, got {max_slowdown!r}")
+        check_max_slowdown(max_slowdown)
         self.max_slowdown = max_slowdown
         if host_tier not in ("off", "on", "auto"):
             raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
@@ -405,11 +404,9 @@ class TinyBackpropMixin:
         """What the optimizer's state on the host keeps there (a copy of each trainable weight,
         the state, made or to come), the time of its steps there with the copies, and of the same
         steps on the device (measured); asked while the state is still the device's."""
-        optimizer = self.optimizers[0]
-        trainable = trainable_of(optimizer)
-        host = host_step_cost(optimizer, self.root_device).of(*trainable)
-        device = in_backward_step_cost(optimizer, self.root_device).of(*trainable)
-        return trainable[1] + self.held_memory().optimizer_state, host, device
+        optimizer, device = self.optimizers[0], self.root_device
+        host_bytes = trainable_of(optimizer)[1] + self.held_memory().optimizer_state
+        return host_bytes, host_ns(optimizer, device), in_backward_ns(optimizer, device)
 
     def _state_on_host(self, stepping: StepInBackward | None, blocked: list[str]) -> LoopAlternative:
         """The plan's alternative that keeps the optimizer's state on the host and steps each

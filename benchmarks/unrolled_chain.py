@@ -10,6 +10,12 @@ measured peak, predicted recomputation (FLOPs and time) and measured step time a
 unplanned step (interleaved rounds in this process); the lowest budget the planner names; the
 planning time (profile, solve) and the number of planner nodes (one per call of each block).
 
+Then the solver alone, on each K's trace priced by FLOPs (deterministic, so both searches are
+compared on equal terms) at the same budget: the chain searched as one sequence (each block's
+calls moved together, the last two calls planned again apart: ``repeats.py``) against the
+search over every call's blocks apart (``Solver(tie_repeats=False)``), their solve time,
+simulations and recomputation.
+
     python benchmarks/unrolled_chain.py --out docs/benchmarks [--calls 1 2 4 8 16] [--rounds 3]
 """
 
@@ -34,6 +40,10 @@ from common import device_label, grads_of, max_rel_diff, median_times_in_turns, 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.environment import machine_info
 from lightning_tbp.memory import measure_peak
+from lightning_tbp.remat.pricing import price_by_flops
+from lightning_tbp.remat.record import record_trace
+from lightning_tbp.remat.simulate import Simulator
+from lightning_tbp.remat.solve import Solver
 
 
 class Unrolled(nn.Module):
@@ -108,11 +118,37 @@ def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int, lowes
     return row
 
 
+def compare_searches(calls: int, batch: int, budget_bytes: int) -> dict[str, Any]:
+    """The two searches on one K's trace priced by FLOPs, at ``budget_bytes`` for the step."""
+    torch.manual_seed(0)
+    model = Unrolled(UNet2DModel(**REFERENCE_UNET, sample_size=32), calls)
+    trace = record_trace(model, (torch.randn(batch, 3, 32, 32), torch.full((batch,), 900)), {}, measure=False)
+    price_by_flops(trace)
+    row: dict[str, Any] = {"calls": calls}
+    for name, tie in (("as_one_sequence", True), ("call_by_call", False)):
+        solver = Solver(Simulator(trace), tie_repeats=tie)
+        start = time.perf_counter()
+        try:
+            solution = solver.solve(budget_bytes)
+        except InfeasibleBudgetError as error:
+            row[name] = {"minimum_budget_bytes": error.minimum_budget_bytes, "simulations": solver.simulations}
+            continue
+        row[name] = {
+            "tied": solver.chained,
+            "solve_seconds": time.perf_counter() - start,
+            "simulations": solution.simulations,
+            "recompute_flops": solution.result.recompute_flops,
+            "predicted_peak_bytes": solution.result.peak_bytes,
+        }
+    print(row, flush=True)
+    return row
+
+
 def plot(result: dict[str, Any]) -> Any:
     plt = pyplot()
     rows = result["rows"]
     calls = [r["calls"] for r in rows]
-    figure, (memory, cost) = plt.subplots(1, 2, figsize=(11, 4))
+    figure, (memory, cost, search) = plt.subplots(1, 3, figsize=(16, 4))
     mib = 2**20
     memory.plot(calls, [r["naive_peak_bytes"] / mib for r in rows], "o-", label="unplanned")
     memory.plot(calls, [r["measured_peak_bytes"] / mib for r in rows], "s-", label="plan (measured)")
@@ -130,6 +166,13 @@ def plot(result: dict[str, Any]) -> Any:
     twin.bar(calls, [r["planning_seconds"] for r in rows], width=[c * 0.3 for c in calls], alpha=0.2, color="k")
     twin.set_ylabel("planning seconds (bars)")
     cost.legend(loc="upper left")
+    searches = result["searches_priced_by_flops"]
+    for name, marker in (("as_one_sequence", "o-"), ("call_by_call", "s--")):
+        solved = [r for r in searches if "solve_seconds" in r[name]]
+        search.plot([r["calls"] for r in solved], [r[name]["solve_seconds"] for r in solved], marker, label=name)
+    search.set(xlabel="calls of the U-Net (K)", ylabel="solve seconds (FLOPs pricing)", xscale="log", yscale="log")
+    search.set_xticks(calls, [str(c) for c in calls])
+    search.legend()
     figure.suptitle(f"Unrolled U-Net chain at a fixed budget, {device_label(result['machine'])}")
     return figure
 
@@ -151,7 +194,14 @@ def main() -> None:
         row = measure(calls, args.batch, budget, args.rounds, longest_lowest if calls == longest else None)
         print(row, flush=True)
         rows.append(row)
-    result = {"machine": machine_info(), "batch": args.batch, "budget_bytes": budget, "rows": rows}
+    searches = [compare_searches(calls, args.batch, budget) for calls in args.calls if calls > 1]
+    result = {
+        "machine": machine_info(),
+        "batch": args.batch,
+        "budget_bytes": budget,
+        "rows": rows,
+        "searches_priced_by_flops": searches,
+    }
     write_result(result, args.out, "unrolled_chain", plot)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 
 from lightning_tbp.remat.budget import MemoryBudget, format_bytes
 from lightning_tbp.remat.options import Option
-from lightning_tbp.remat.shape_plan import ShapePlan, describe_held, describe_loss
+from lightning_tbp.remat.shape_plan import BlockDecision, ShapePlan, describe_held, describe_loss
 from lightning_tbp.remat.step import PLAIN_LOOP
+from lightning_tbp.remat.trace import CALL_SEPARATOR, module_path
 from lightning_tbp.remat.verify import describe_step_time
 
 
@@ -35,8 +36,9 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
             f"the module's inputs), {format_bytes(sp.alongside.until_backward)} until its backward (what "
             "training_step made before the call)"
         )
+    lines.append("-" * len(header))
+    lines += [_describe_calls(path, calls) for path, calls in call_summaries(sp).items()]
     lines += [
-        "-" * len(header),
         budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
         f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
         f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}{loop}",
@@ -88,6 +90,42 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     return "\n".join(lines)
 
 
+def call_summaries(sp: ShapePlan) -> dict[str, list[dict[str, Any]]]:
+    """Per module the step runs several times (the outermost of such modules: a chain's U-Net,
+    not its blocks), per call in order: its decision, how many of its blocks are planned, and
+    what it keeps after the forward against its unplanned share. A chain's plan is graded, so
+    this is where its shape shows."""
+    by_call: dict[str, list[BlockDecision]] = {}
+    for block in sp.blocks:
+        if block.call:
+            by_call.setdefault(block.call, []).append(block)
+    summary: dict[str, list[dict[str, Any]]] = {}
+    for key, blocks in by_call.items():
+        head = next(block for block in blocks if block.path == key)
+        summary.setdefault(module_path(key), []).append(
+            {
+                "call": key,
+                "decision": head.option.name.lower(),
+                "planned_blocks": sum(block.option != Option.KEEP for block in blocks),
+                "blocks": len(blocks),
+                "kept_bytes": head.kept_bytes,
+                "naive_kept_bytes": head.naive_kept_bytes,
+            }
+        )
+    return summary
+
+
+def _describe_calls(path: str, calls: list[dict[str, Any]]) -> str:
+    def one(call: dict[str, Any]) -> str:
+        number = call["call"].partition(CALL_SEPARATOR)[2] or "0"
+        return (
+            f"#{number} {call['decision']}, {call['planned_blocks']}/{call['blocks']} blocks planned, keeps "
+            f"{format_bytes(call['kept_bytes'])} of {format_bytes(call['naive_kept_bytes'])}"
+        )
+
+    return f"calls of {path} ({len(calls)} in the step): " + "; ".join(one(call) for call in calls)
+
+
 def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> dict[str, Any]:
     """JSON-able summary of one signature's plan."""
     return {
@@ -130,9 +168,11 @@ def shape_plan_dict(module_name: str, budget: MemoryBudget, sp: ShapePlan) -> di
         "recompute_flop_ratio_of_step": sp.recompute_flop_ratio,
         "profile_seconds": sp.profile_seconds,
         "solve_seconds": sp.solve_seconds,
+        "repeated_calls": call_summaries(sp),
         "blocks": [
             {
                 "path": b.path,
+                "call": b.call,
                 "decision": b.option.name.lower(),
                 "level": b.level,
                 "kept_bytes": b.kept_bytes,

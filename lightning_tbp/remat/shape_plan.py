@@ -9,6 +9,7 @@ installing the plan is :class:`~lightning_tbp.remat.plan.Plan`'s job, reporting 
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,9 @@ class BlockDecision:
     naive_kept_bytes: int  # held after the forward without any checkpoint
     forward_flops: int
     recomputations: int
+    call: str = ""
+    """The key of the outermost repeated call enclosing the block (itself included): a call of a
+    module the step runs several times, as a chain's U-Net ("" if none)."""
 
 
 @dataclass
@@ -309,13 +313,15 @@ def _peak_block(trace: Trace, simulator: Simulator, options: list[Option], plann
 def _block_table(trace: Trace, simulator: Simulator, options: list[Option], planned: SimResult) -> list[BlockDecision]:
     kept = _kept_by_block(simulator, options)
     naive_kept = _kept_by_block(simulator, [Option.KEEP] * len(options))
+    calls_of = Counter(node.path for node in trace.nodes[1:] if node.has_events)
     blocks = []
     for node in trace.nodes[1:]:
         if not node.has_events:
             continue
-        level, walk = 0, node.index
+        level, walk, call = 0, node.index, ""
         while walk > 0:
             level += options[walk] != Option.KEEP
+            call = trace.nodes[walk].key if calls_of[trace.nodes[walk].path] > 1 else call
             walk = trace.nodes[walk].parent
         lo, hi = node.first_event, node.last_event
         subtree = [n.index for n in trace.nodes if lo <= n.first_event and n.last_event <= hi]
@@ -328,6 +334,7 @@ def _block_table(trace: Trace, simulator: Simulator, options: list[Option], plan
                 naive_kept_bytes=sum(naive_kept.get(i, 0) for i in subtree),
                 forward_flops=sum(trace.event_flops[node.first_event : node.last_event + 1]),
                 recomputations=planned.recompute_counts.get(node.index, 0),
+                call=call,
             )
         )
     return blocks

@@ -44,6 +44,7 @@ from lightning_tbp.remat.block_tree import BlockTree
 from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.lagrangian import Prices, lagrangian_plans, singleton_prices
 from lightning_tbp.remat.options import KEEPS_SOME, SOFT, Option, clears_soft_below, next_options
+from lightning_tbp.remat.repeats import repeated_at_least, repeated_calls
 from lightning_tbp.remat.simulate import Holdings, SimResult, Simulator
 
 _EXACT_CANDIDATES = 4
@@ -58,6 +59,11 @@ _MAX_PRUNE_PASSES = 4
 #: Above this many blocks, the greedy applies moves in batches and only the cheapest candidate is
 #: pruned, in one pass (planning stays within seconds for hundreds of blocks).
 _LARGE_MODEL_NODES = 64
+#: How many of each repeated block's calls, the last ones, ``Solver.untie`` plans again untied.
+_UNTIED_CALLS = 2
+#: Targets above the real one (as fractions of it, added) at which the tied search's plans are
+#: kept for ``Solver.untie`` to finish in the last calls.
+_NEAR = (0.06, 0.03)
 #: The solver plans to (1 - PLANNING_MARGIN) of the budget: the simulator predicts measured CPU
 #: allocator peaks within a few percent, and the budget is a promise about the measured peak.
 PLANNING_MARGIN = 0.05
@@ -144,12 +150,16 @@ class Solution:
 class Solver:
     """Greedy, simulation-guided search over nested checkpoint plans for one trace."""
 
-    def __init__(self, simulator: Simulator, *, selective: bool = True, offload: bool = False) -> None:
+    def __init__(
+        self, simulator: Simulator, *, selective: bool = True, offload: bool = False, tie_repeats: bool = True
+    ) -> None:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
         checkpoint hands its cached outputs to the first backward only, so a graph that is
         backpropagated twice (DP's ghost and flash modes) cannot use them. ``offload=True`` lets
         plans offload blocks' saved activations to host memory (``host_tier.py``) and stream
-        blocks' frozen weights from it (``host_weights.py``)."""
+        blocks' frozen weights from it (``host_weights.py``). ``tie_repeats=False`` searches each
+        call of a repeated block apart however long the chain (the reference the tied search is
+        compared with)."""
         self.sim = simulator
         options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
         self.options = (*options, Option.OFFLOAD, Option.STREAM) if offload else options
@@ -157,6 +167,12 @@ class Solver:
         self.nodes = self.tree.nodes
         self.large = len(self.nodes) > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass
         self.subtree_end, self.ancestors = self.tree.subtree_end, self.tree.ancestors
+        self.members = repeated_calls(simulator.trace)
+        # a large step made of calls repeated more often than ``untie`` plans apart (an unrolled
+        # chain) is searched with each block's calls moved together (``repeats.py``), then untied
+        self.chained = tie_repeats and self.large and repeated_at_least(self.members, _UNTIED_CALLS + 1)
+        self.tied = self.chained
+        self._movable: frozenset[int] | None = None  # the blocks the searches may move (None: all)
         self.simulations = 0
         self._prices: Prices | None = None
         self._memo: dict[tuple[Option, ...], SimResult] = {}
@@ -174,6 +190,12 @@ class Solver:
         return self._solve(planning_target(budget_bytes), budget_bytes)
 
     def _solve(self, target_bytes: int, budget_bytes: int) -> Solution:
+        try:
+            return self._search(target_bytes, budget_bytes)
+        finally:
+            self.tied = self.chained
+
+    def _search(self, target_bytes: int, budget_bytes: int) -> Solution:
         start = time.perf_counter()
         naive = self.naive()
         keep_all = [Option.KEEP] * len(self.nodes)
@@ -182,7 +204,10 @@ class Solver:
         # Greedy search is path dependent: a slightly tighter target can end cheaper. Plans made
         # for a few tighter targets all fit the real one; the cheapest after pruning wins.
         targets = [int(target_bytes - abs(target_bytes) * (1 - f)) for f in _TARGET_PORTFOLIO]  # tighter below zero too
-        candidates = self.greedy_path(keep_all, naive, targets)
+        near: list[tuple[list[Option], SimResult]] = []
+        if self.tied:  # tied plans a little above the target, for ``untie`` to finish in the last calls
+            near = self.greedy_path(keep_all, naive, [int(target_bytes + abs(target_bytes) * f) for f in _NEAR])
+        candidates = self.greedy_path(*(near[-1] if near else (keep_all, naive)), targets)
         # one Lagrangian start, for the real target: each costs a repair descent, and starts for
         # the tighter targets never gave the cheapest plan (66 solves of 11 architectures at
         # 0.3-0.9 of naive; earlier, an SDXL-style U-Net's at 0.29-0.5) for 10% of solve time
@@ -201,6 +226,8 @@ class Solver:
         pruned = [self.prune(o, r, target_bytes) for o, r in cheapest]
         options, result = self.refine(*min(pruned, key=lambda c: c[1].recompute_cost), target_bytes)
         options, result = self.trade(options, result, target_bytes)
+        if self.tied:
+            options, result = self.untie([*near, (options, result)], target_bytes)
         return Solution(options, result, naive, time.perf_counter() - start, self.simulations)
 
     def lowest(self, target_bytes: int) -> tuple[list[Option], SimResult]:
@@ -293,7 +320,9 @@ class Solver:
             holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
             self._prices = singleton_prices(self.tree, holdings, self.options)
         best: tuple[tuple[bool, float], list[Option], SimResult] | None = None
-        for options in lagrangian_plans(self.tree, self._prices, self.options):
+        for plan in lagrangian_plans(self.tree, self._prices, self.options):
+            # tied, every repeated call takes its first call's decisions (their prices are alike)
+            options = [plan[self.members[i][0]] for i in range(len(plan))] if self.tied else plan
             if best is not None and not best[0][0]:  # once one fits, only those that fit compete
                 result = self.simulate_within(options, target_bytes)
                 if result is None:
@@ -343,7 +372,9 @@ class Solver:
         moves = []
         for node in self.nodes[1:]:
             i = node.index
-            if not node.has_events:
+            if not node.has_events or (self.tied and self.members[i][0] != i):
+                continue
+            if self._movable is not None and i not in self._movable:
                 continue
             checkpointed_above = not self._outermost(i, options)
             if any(options[a] in SOFT for a in self.ancestors[i]):
@@ -361,13 +392,57 @@ class Solver:
         return any(options[j] != Option.KEEP for j in range(index + 1, self.subtree_end[index]))
 
     def apply(self, options: list[Option], index: int, option: Option) -> list[Option]:
+        """``options`` with ``option`` on block ``index`` (and on the calls tied to it)."""
         new = list(options)
-        new[index] = option
-        if clears_soft_below(option):
-            for j in range(index + 1, self.subtree_end[index]):
-                if new[j] in SOFT:
-                    new[j] = Option.KEEP
+        for member in self.tied_to(index):
+            new[member] = option
+            if clears_soft_below(option):
+                for j in range(member + 1, self.subtree_end[member]):
+                    if new[j] in SOFT:
+                        new[j] = Option.KEEP
         return new
+
+    def tied_to(self, index: int) -> list[int]:
+        """The blocks a move on ``index`` moves: its repeated calls while the search is tied, else itself."""
+        return self.members[index] if self.tied else [index]
+
+    def untie(self, starts: list[tuple[list[Option], SimResult]], budget_bytes: int) -> tuple[list[Option], SimResult]:
+        """Plan the last calls of each repeated block again, each call on its own, around tied
+        plans of the calls before (``starts``: the tied winner, and tied plans a little above the
+        target); the cheapest plan that fits wins (the winner itself, at worst).
+
+        A chain's calls are undone last first, so an earlier call's saved tensors are live
+        through every later call's backward and a later call's for less of it: the cheapest plan
+        is graded, and the last call, whose backward is the peak, often best planned apart (an
+        unrolled chain of four U-Net calls at a third of its naive peak checkpoints the whole
+        U-Net in its first two calls only). The tail's blocks start unplanned; a descent and
+        pruning over them alone fit the plan to the budget.
+        """
+        self.tied = False
+        tail: set[int] = set()
+        for group in self.members:
+            for member in group[-_UNTIED_CALLS:] if len(group) > 1 else ():
+                tail.update(range(member, self.subtree_end[member]))
+        best = starts[-1]
+        for options, result in starts:
+            # a plan that fits starts with its tail unplanned; one above the target as it is
+            start = (
+                [Option.KEEP if i in tail else o for i, o in enumerate(options)]
+                if result.peak_bytes <= budget_bytes
+                else options
+            )
+            self._movable = frozenset(tail)
+            try:
+                replanned = self.greedy(start, self.simulate(start), budget_bytes)
+            finally:
+                self._movable = None
+            if replanned[1].peak_bytes > budget_bytes:
+                continue
+            planned = frozenset(i for i in tail if replanned[0][i] != Option.KEEP)
+            replanned = self.prune(*replanned, budget_bytes, only=planned)
+            if replanned[1].recompute_cost < best[1].recompute_cost:
+                best = replanned
+        return best
 
     def best_move(
         self,
@@ -381,14 +456,13 @@ class Solver:
         freed_full, lca = self.tree.releasable_bytes(holdings)
         scored = []
         for index, option in self.legal_moves(options):
-            freed = freed_full[index] - self.tree.kept_inputs(index, holdings, lca)
-            if option in KEEPS_SOME:
-                freed -= self.tree.cache_bytes(index, holdings, lca)
-            elif option == Option.STREAM:  # its weights leave the device, outside its own windows
-                freed = self.tree.stream_bytes[index] + (0 if options[index] == Option.FULL else freed)
+            freed, extra = 0, 0.0
+            for member in self.tied_to(index):
+                freed += self._freed(member, option, options, freed_full, holdings, lca)
+                extra += self.tree.cost_of(member, option) - self.tree.cost_of(member, options[member])
             if freed <= 0:
                 continue
-            extra = 1.0 if cost_blind else self.tree.cost_of(index, option) - self.tree.cost_of(index, options[index])
+            extra = 1.0 if cost_blind else extra
             scored.append((freed / max(extra, 1.0), index, option, freed))
         scored.sort(reverse=True)
         if self.large:
@@ -418,6 +492,17 @@ class Solver:
             if best is None or key > best[0]:
                 best = (key, candidate, trial)
         return None if best is None else (best[1], best[2])
+
+    def _freed(
+        self, index: int, option: Option, options: list[Option], freed_full: list[int], holdings: Holdings, lca: dict
+    ) -> int:
+        """Estimated bytes ``option`` on block ``index`` frees at the instant ``holdings`` was read."""
+        freed = freed_full[index] - self.tree.kept_inputs(index, holdings, lca)
+        if option in KEEPS_SOME:
+            freed -= self.tree.cache_bytes(index, holdings, lca)
+        elif option == Option.STREAM:  # its weights leave the device, outside its own windows
+            freed = self.tree.stream_bytes[index] + (0 if options[index] == Option.FULL else freed)
+        return freed
 
     def _batch_move(self, options, result, scored, deficit) -> tuple[list[Option], SimResult] | None:
         """On large models, apply the best-ranked moves on disjoint subtrees together.
@@ -452,7 +537,11 @@ class Solver:
         made an unrolled chain of eight U-Net calls at half its naive peak spend 5,500
         simulations here, 61 s of its 74 s solve (now about 2,000)."""
         coarse = sorted(
-            (i for i, o in enumerate(options) if o in (Option.FULL, Option.LAZY) and self._outermost(i, options)),
+            (
+                i
+                for i, o in enumerate(options)
+                if o in (Option.FULL, Option.LAZY) and self._outermost(i, options) and self._leads(i)
+            ),
             key=lambda i: self.tree.subtree_cost[i],
             reverse=True,
         )
@@ -461,9 +550,11 @@ class Solver:
             if len(children) < 2 or options[index] not in (Option.FULL, Option.LAZY):
                 continue
             candidate = list(options)
-            for child in children:
-                candidate[child] = candidate[child] if candidate[child] != Option.KEEP else options[index]
-            candidate[index] = Option.KEEP
+            for member in self.tied_to(index):
+                for child in self.nodes[member].children:
+                    if self.nodes[child].has_events and candidate[child] == Option.KEEP:
+                        candidate[child] = options[member]
+                candidate[member] = Option.KEEP
             trial = self.simulate_within(candidate, budget_bytes)
             if trial is None:
                 continue
@@ -473,7 +564,10 @@ class Solver:
             weighty = (
                 i
                 for i, o in enumerate(candidate)
-                if o != Option.KEEP and self._outermost(i, candidate) and self.tree.subtree_cost[i] >= cheapest
+                if o != Option.KEEP
+                and self._outermost(i, candidate)
+                and self._leads(i)
+                and self.tree.subtree_cost[i] >= cheapest
             )
             pruned = self.prune(candidate, trial, budget_bytes, only=frozenset((*children, *weighty)))
             if pruned[1].recompute_cost < result.recompute_cost:
@@ -524,7 +618,11 @@ class Solver:
         while improved and passes > 0:
             improved, passes = False, passes - 1
             planned = sorted(
-                (i for i, o in enumerate(options) if o != Option.KEEP and (only is None or i in only)),
+                (
+                    i
+                    for i, o in enumerate(options)
+                    if o != Option.KEEP and self._leads(i) and (only is None or i in only)
+                ),
                 key=lambda i: self.tree.subtree_cost[i],
                 reverse=True,
             )
@@ -532,7 +630,8 @@ class Solver:
                 found: tuple[list[Option], SimResult] | None = None
                 for option in alternatives(index, options):
                     candidate = list(options)
-                    candidate[index] = option
+                    for member in self.tied_to(index):
+                        candidate[member] = option
                     if option in SOFT and self.subtree_planned(index, candidate):
                         continue
                     trial = self.simulate_within(candidate, budget_bytes)
@@ -543,6 +642,10 @@ class Solver:
                 if found is not None:
                     (options, result), improved = found, True
         return options, result
+
+    def _leads(self, index: int) -> bool:
+        """Whether the searches visit block ``index``: all blocks, or while tied the first of its calls."""
+        return not self.tied or self.members[index][0] == index
 
     def _outermost(self, index: int, options: list[Option]) -> bool:
         return not any(options[a] != Option.KEEP for a in self.ancestors[index])

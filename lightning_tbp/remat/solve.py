@@ -211,9 +211,10 @@ class Solver:
         # one Lagrangian start, for the real target: each costs a repair descent, and starts for
         # the tighter targets never gave the cheapest plan (66 solves of 11 architectures at
         # 0.3-0.9 of naive; earlier, an SDXL-style U-Net's at 0.29-0.5) for 10% of solve time
-        options, result = self.greedy(*self.lagrangian_start(naive, target_bytes), target_bytes)
-        if result.peak_bytes <= target_bytes:
-            candidates.append((options, result))
+        if not self.tied:  # tied, its repair descent took half the solve; its plan never won on chains
+            options, result = self.greedy(*self.lagrangian_start(naive, target_bytes), target_bytes)
+            if result.peak_bytes <= target_bytes:
+                candidates.append((options, result))
         candidates += [(o, r) for o, r in self.uniform_plans() if r.peak_bytes <= target_bytes]
         if not candidates:
             options, result = self.lowest(target_bytes)

@@ -15,6 +15,9 @@ from the simulation itself:
    again, keep it if cheaper (pruning alone cannot make a whole-stage decision finer); then
    trade each planned block's option for the cheapest one that still fits.
 
+A step made of calls that repeat (an unrolled chain) is searched with each block's calls moved
+together, and its last calls are planned apart after (``repeats.py``, ``Solver.untie``).
+
 Greedy descent is path dependent, so a small portfolio competes: the greedy path from the plain
 model recorded at a few slightly tighter targets, and a start from a Lagrangian tree knapsack
 (each option priced by one exact simulation, cost - lambda * bytes freed, over a sweep of lambda)
@@ -321,9 +324,7 @@ class Solver:
             holdings = self.holdings_at([Option.KEEP] * len(self.nodes), self.sim.trace.num_events - 1)
             self._prices = singleton_prices(self.tree, holdings, self.options)
         best: tuple[tuple[bool, float], list[Option], SimResult] | None = None
-        for plan in lagrangian_plans(self.tree, self._prices, self.options):
-            # tied, every repeated call takes its first call's decisions (their prices are alike)
-            options = [plan[self.members[i][0]] for i in range(len(plan))] if self.tied else plan
+        for options in lagrangian_plans(self.tree, self._prices, self.options):
             if best is not None and not best[0][0]:  # once one fits, only those that fit compete
                 result = self.simulate_within(options, target_bytes)
                 if result is None:
@@ -416,8 +417,9 @@ class Solver:
         through every later call's backward and a later call's for less of it: the cheapest plan
         is graded, and the last call, whose backward is the peak, often best planned apart (an
         unrolled chain of four U-Net calls at a third of its naive peak checkpoints the whole
-        U-Net in its first two calls only). The tail's blocks start unplanned; a descent and
-        pruning over them alone fit the plan to the budget.
+        U-Net in its first two calls only). From the winner the tail starts unplanned, from a plan
+        above the target as it is (a little more on the last calls may be all it lacks); a
+        descent and pruning over the tail alone fit the plan to the budget.
         """
         self.tied = False
         tail: set[int] = set()

@@ -57,6 +57,13 @@ class Unrolled(nn.Module):
         return x
 
 
+def _chain(calls: int, batch: int) -> tuple[Unrolled, torch.Tensor, torch.Tensor]:
+    """The chain of ``calls`` calls, seeded, with its inputs."""
+    torch.manual_seed(0)
+    model = Unrolled(UNet2DModel(**REFERENCE_UNET, sample_size=32), calls)
+    return model, torch.randn(batch, 3, 32, 32), torch.full((batch,), 900)
+
+
 def _peak(model: nn.Module, step: Any) -> int:
     step()  # warm-up
     model.zero_grad(set_to_none=True)
@@ -66,9 +73,7 @@ def _peak(model: nn.Module, step: Any) -> int:
 
 def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int, lowest: int | None = None) -> dict[str, Any]:
     """One K's row; ``lowest``: its lowest budget if already known (else searched here)."""
-    torch.manual_seed(0)
-    model = Unrolled(UNet2DModel(**REFERENCE_UNET, sample_size=32), calls)
-    x, t = torch.randn(batch, 3, 32, 32), torch.full((batch,), 900)
+    model, x, t = _chain(calls, batch)
 
     def step() -> None:
         model(x, t).square().mean().backward()
@@ -120,9 +125,8 @@ def measure(calls: int, batch: int, budget_bytes: int | None, rounds: int, lowes
 
 def compare_searches(calls: int, batch: int, budget_bytes: int) -> dict[str, Any]:
     """The two searches on one K's trace priced by FLOPs, at ``budget_bytes`` for the step."""
-    torch.manual_seed(0)
-    model = Unrolled(UNet2DModel(**REFERENCE_UNET, sample_size=32), calls)
-    trace = record_trace(model, (torch.randn(batch, 3, 32, 32), torch.full((batch,), 900)), {}, measure=False)
+    model, x, t = _chain(calls, batch)
+    trace = record_trace(model, (x, t), {}, measure=False)
     price_by_flops(trace)
     row: dict[str, Any] = {"calls": calls}
     for name, tie in (("as_one_sequence", True), ("call_by_call", False)):

@@ -423,28 +423,29 @@ class Solver:
         """
         self.tied = False
         tail: set[int] = set()
-        for group in self.members:
-            for member in group[-_UNTIED_CALLS:] if len(group) > 1 else ():
-                tail.update(range(member, self.subtree_end[member]))
+        for index, group in enumerate(self.members):
+            if len(group) > 1 and group[0] == index:  # each repeated block once
+                for member in group[-_UNTIED_CALLS:]:
+                    tail.update(range(member, self.subtree_end[member]))
         best = starts[-1]
-        for options, result in starts:
-            # a plan that fits starts with its tail unplanned; one above the target as it is
-            start = (
-                [Option.KEEP if i in tail else o for i, o in enumerate(options)]
-                if result.peak_bytes <= budget_bytes
-                else options
-            )
-            self._movable = frozenset(tail)
-            try:
+        self._movable = frozenset(tail)
+        try:
+            for options, result in starts:
+                # a plan that fits starts with its tail unplanned; one above the target as it is
+                start = (
+                    [Option.KEEP if i in tail else o for i, o in enumerate(options)]
+                    if result.peak_bytes <= budget_bytes
+                    else options
+                )
                 replanned = self.greedy(start, self.simulate(start), budget_bytes)
-            finally:
-                self._movable = None
-            if replanned[1].peak_bytes > budget_bytes:
-                continue
-            planned = frozenset(i for i in tail if replanned[0][i] != Option.KEEP)
-            replanned = self.prune(*replanned, budget_bytes, only=planned)
-            if replanned[1].recompute_cost < best[1].recompute_cost:
-                best = replanned
+                if replanned[1].peak_bytes > budget_bytes:
+                    continue
+                planned = frozenset(i for i in tail if replanned[0][i] != Option.KEEP)
+                replanned = self.prune(*replanned, budget_bytes, only=planned)
+                if replanned[1].recompute_cost < best[1].recompute_cost:
+                    best = replanned
+        finally:
+            self._movable = None
         return best
 
     def best_move(

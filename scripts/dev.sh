@@ -39,7 +39,8 @@ case "$cmd" in
     ensure_env
     "$VENV/bin/ruff" check .
     "$VENV/bin/mypy"
-    "$VENV/bin/python" -m pytest "$@" ;;
+    # one worker per core, each on one thread (tests/conftest.py); TEST_WORKERS=0 runs in this process
+    "$VENV/bin/python" -m pytest -n "${TEST_WORKERS:-auto}" --dist worksteal "$@" ;;
   verify)
     ensure_env
     "$VENV/bin/python" benchmarks/verify.py "$@" ;;

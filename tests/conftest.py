@@ -1,12 +1,20 @@
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_tbp.remat.pricing import priced_by_flops
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared helpers (models.py, dp_reference.py)
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # workers share the machine's cores (``pytest -n auto``: one per core): one thread each, for
+    # them and the processes they start, so that no worker's OpenMP threads spin against another's
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

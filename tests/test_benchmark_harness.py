@@ -167,7 +167,7 @@ def test_high_res_and_hfu_write_their_json(tmp_path) -> None:
 @pytest.mark.slow
 def test_dp_plan_time_holds_budgets_and_keeps_gradients(tmp_path) -> None:
     # priced by FLOPs, so that a failure replays with its plan: with measured prices one CI run
-    # drew a bookkeeping plan predicted 10% over its measured peak (not found again)
+    # drew a bookkeeping plan predicted 10% over its measured peak (not reproduced here)
     with priced_by_flops():
         dp_plan_time.main(["--trials", "1", "--warmup", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "dp_plan_time_dit.json").read_text())

@@ -11,6 +11,11 @@ from earlier code, collected at a random moment inside a region, would then lowe
 whatever that garbage held: a full test run saw a step measured 21% below its exact, repeatable
 peak. So the CPU meters collect garbage first and hold the collector off inside the region.
 
+Threads: the profiler sees the allocations and frees of the threads it follows (the one that
+started it and autograd's). A block that another thread frees last (gloo's worker dropping the
+flat copy of DDP's initial parameter broadcast, at random) is never seen freed, and every level
+after it reads that block's size too high: measure from after such a hand-over.
+
 Regions nest and overlap (a metered training step contains the planner's metered ops; a test
 measures a whole fit that contains metered steps): one chain of profiler sessions serves them
 all, see :class:`_CpuSessions`. Only a profiler started elsewhere stops the CPU meter.

@@ -7,7 +7,7 @@ user's choice, never the planner's: ``DiffusionModule(base_quantization=...)``. 
 counts the weights as they are held (``memory.breakdown.plain_tensors``), and traces, recomputes
 and differentiates the quantized layers like any other (gradients equal plain autograd's of the
 quantized model; the dequantization inside a quantized matmul is measured as that op's
-workspace, ``remat.record.dequantization_peak``).
+workspace, forward and backward, ``remat.record.dequantization_peak``).
 
 - ``"int8"``: torchao's weight-only int8 (``Int8WeightOnlyConfig``), a scale per output row;
   every ``Linear``. torchao's own int8 linear keeps a dequantized copy of its weight for the
@@ -35,6 +35,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
+from lightning_tbp.remat.record import dequantized
 
 BaseQuantization = Literal["int8", "nf4"]
 QUANTIZATIONS: tuple[str, ...] = ("int8", "nf4")
@@ -106,7 +107,7 @@ class _LinearOverFrozenWeight(torch.autograd.Function):
     @override
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (weight,) = ctx.saved_tensors
-        return grads[0] @ weight.dequantize().to(grads[0].dtype), None, None
+        return grads[0] @ dequantized(weight, grads[0].dtype), None, None
 
 
 class FrozenQuantizedLinear(nn.Linear):

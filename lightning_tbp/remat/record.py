@@ -17,11 +17,13 @@ costs. Meanwhile a ``TorchDispatchMode`` sees every aten op below autograd and r
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
 from functools import partial
+from types import FunctionType
 from typing import Any, Protocol
 
 import torch
@@ -71,7 +73,9 @@ class _Recorder(TorchDispatchMode):
         # quantized weights an event's forward reads, and those saved at an event for its
         # backward: each dequantizes them, inside the subclass where no recorder sees it
         self.read_quantized: dict[int, list[torch.Tensor]] = {}
-        self.saved_quantized: dict[int, list[torch.Tensor]] = {}
+        # with the dtype of the saving op's output: the gradient the backward multiplies it by
+        self.saved_quantized: dict[int, list[tuple[torch.Tensor, torch.dtype]]] = {}
+        self.last_output_dtype: torch.dtype | None = None
         self.tensor_counts: dict[int, int] = {}
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
@@ -170,14 +174,23 @@ class _Recorder(TorchDispatchMode):
         trace.event_traits.append(traits)
         trace.event_flops.append(flops)
         trace.event_cost.append(0.0)  # measured after the forward
+        self.last_output_dtype = next((t.dtype for t in _tensors(out)), None)
         return out
 
     def record_save(self, tensor: torch.Tensor) -> None:
         """Note a tensor autograd saves; which op saved it is settled at the next op (``_settle_saves``)."""
         if is_quantized_wrapper(tensor):
             # saved by a custom Function over a quantized weight (torchao's NF4 linear) once its
-            # last op ran: that op's backward dequantizes it to the apparent dtype, a transient
-            self.saved_quantized.setdefault(self.trace.num_events - 1, []).append(tensor)
+            # last op ran: that op's backward dequantizes it to the apparent dtype, a transient;
+            # and the save counts as a parameter's pack (a recomputation runs on to it, where
+            # torch stops one early only once every saved tensor is back)
+            dtype = self.last_output_dtype or tensor.dtype
+            self.saved_quantized.setdefault(self.trace.num_events - 1, []).append((tensor, dtype))
+            self.pending_resident_saves.extend(
+                sid
+                for inner in plain_tensors(tensor)
+                if (sid := self.sid_of(inner)) is not None and not self.trace.storage_is_activation[sid]
+            )
             return
         sid = self.sid_of(tensor)
         if sid is None:
@@ -234,21 +247,40 @@ class _Recorder(TorchDispatchMode):
 _DEQUANTIZATION_PEAKS: dict[tuple, int] = {}
 
 
-def dequantization_peak(weight: torch.Tensor) -> int:
-    """Peak bytes of using a quantized weight in a matmul, where it is turned back into its
-    apparent dtype (torchao's NF4 unpacks its 4-bit codes through int64 indices: about five times
-    the weight's apparent size), measured once per kind, shape and dtype under the exact meter on
-    a one-row linear; the apparent size where no meter can run (a fake trace, whose estimate is
-    then low by the rest of that transient; a running profiler) or the weight is not a matrix."""
-    apparent = weight.numel() * weight.element_size()
-    key = (type(weight), tuple(weight.shape), weight.dtype, weight.device.type)
+def dequantized(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized weight as a plain ``dtype`` tensor: torchao's affine (int8) tensors through
+    their own ``dequantize`` (to their apparent dtype; asked for bfloat16 directly, it computes in
+    float32 and keeps that beside the result: more at its peak than a cast afterwards), NF4
+    through ``.to``."""
+    if isinstance(inspect.getattr_static(type(weight), "dequantize", None), FunctionType):
+        return weight.dequantize().to(dtype)
+    return weight.to(dtype)
+
+
+def dequantization_peak(weight: torch.Tensor, backward_dtype: torch.dtype | None = None) -> int:
+    """Peak bytes of using a quantized weight in a matmul, where it is turned back into a plain
+    tensor (torchao's NF4 unpacks its 4-bit codes through int64 indices: about five times the
+    weight's apparent size), measured once per kind, shape and dtype under the exact meter on a
+    one-row product: the forward's ``F.linear``, or with ``backward_dtype`` the backward's
+    gradient times :func:`dequantized` (what saved quantized weights cost: int8's forward on CPU
+    multiplies without dequantizing, its dequantization in the backward takes two copies of the
+    weight). The apparent size where no meter can run (a fake trace, whose estimate is then low
+    by the rest of that transient; a running profiler) or the weight is not a matrix."""
+    apparent = weight.numel() * (backward_dtype or weight.dtype).itemsize
+    key = (type(weight), tuple(weight.shape), weight.dtype, weight.device.type, backward_dtype)
     if key not in _DEQUANTIZATION_PEAKS:
         fake = any(isinstance(inner, FakeTensor) for inner in plain_tensors(weight))
         if weight.dim() != 2 or fake or not can_meter(weight.device):
             return apparent
-        row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        if backward_dtype is None:
+            row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        else:
+            gradient = torch.zeros(1, weight.shape[0], dtype=backward_dtype, device=weight.device)
         with torch.no_grad(), allocator_peak(weight.device) as reading:
-            F.linear(row, weight)
+            if backward_dtype is None:
+                F.linear(row, weight)
+            else:
+                gradient @ dequantized(weight, backward_dtype)
         _DEQUANTIZATION_PEAKS[key] = max(apparent, reading.peak_bytes)
     return _DEQUANTIZATION_PEAKS[key]
 
@@ -414,12 +446,12 @@ def record_trace(
         trace.event_forward_workspace[event] = forward
         trace.event_workspace[event] = backward
     # measured here, outside the recorder
-    for workspace, quantized in (
-        (trace.event_forward_workspace, recorder.read_quantized),
-        (trace.event_workspace, recorder.saved_quantized),
-    ):
-        for event, weights in quantized.items():
-            workspace[event] = max(workspace[event], sum(dequantization_peak(weight) for weight in weights))
+    for event, weights in recorder.read_quantized.items():
+        peak = sum(dequantization_peak(weight) for weight in weights)
+        trace.event_forward_workspace[event] = max(trace.event_forward_workspace[event], peak)
+    for event, saved in recorder.saved_quantized.items():
+        peak = sum(dequantization_peak(weight, dtype) for weight, dtype in saved)
+        trace.event_workspace[event] = max(trace.event_workspace[event], peak)
     trace.event_backward_cost = [0.0] * trace.num_events
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns

@@ -76,6 +76,9 @@ class _Recorder(TorchDispatchMode):
         # with the dtype of the saving op's output: the gradient the backward multiplies it by
         self.saved_quantized: dict[int, list[tuple[torch.Tensor, torch.dtype]]] = {}
         self.last_output_dtype: torch.dtype | None = None
+        # ops run without grad that read a tensor needing a gradient (a custom Function's input):
+        # the bytes of the gradient the Function's backward makes for what they read
+        self.function_reads: dict[int, int] = {}
         self.tensor_counts: dict[int, int] = {}
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
@@ -129,6 +132,8 @@ class _Recorder(TorchDispatchMode):
                     # made inside a custom autograd Function (its ops run without grad), whose
                     # output needs a gradient after all: its backward gives its inputs theirs
                     trace.storage_needs_grad[sid] = True
+                    if not torch.is_grad_enabled():  # inside one: its backward makes this gradient
+                        self.function_reads[event] = self.function_reads.get(event, 0) + seen[sid]
         inputs = tuple(seen)
         input_set = set(inputs)
         partial = {sid: size for sid, size in seen.items() if size < trace.storage_bytes[sid]}
@@ -283,6 +288,41 @@ def dequantization_peak(weight: torch.Tensor, backward_dtype: torch.dtype | None
                 gradient @ dequantized(weight, backward_dtype)
         _DEQUANTIZATION_PEAKS[key] = max(apparent, reading.peak_bytes)
     return _DEQUANTIZATION_PEAKS[key]
+
+
+#: How far back from the op that saved a quantized weight its layer's matmul is looked for.
+_LAYER_OPS = 64
+
+
+def _place_backward_dequantization(
+    trace: Trace, event: int, saved: list[tuple[torch.Tensor, torch.dtype]], function_reads: dict[int, int]
+) -> None:
+    """The backward of a layer over saved quantized weights (a custom Function: torchao's NF4
+    linear, ``FrozenQuantizedLinear``) dequantizes them, then makes its input's gradient while
+    the dequantized weights and its output's gradient are alive: its peak is the larger of the
+    two, above that gradient. The simulation makes the input's gradient at the Function's op that
+    read the input, so the transient goes there, less the gradient it adds itself; at the op that
+    saved the weights where there is none (no gradient flows to the layer's input: only the
+    dequantization runs, if anything)."""
+    peak = sum(dequantization_peak(weight, dtype) for weight, dtype in saved)
+    held = sum(weight.numel() * dtype.itemsize for weight, dtype in saved)
+    for reader in range(event, max(event - _LAYER_OPS, -1), -1):
+        if trace.event_node[reader] != trace.event_node[event]:
+            break
+        gradient = function_reads.get(reader, 0)
+        if gradient:
+            # the gradient of what the Function's later ops made (its output) lives through its
+            # backward; the simulation lets it go at those ops, before the reader's
+            output_gradient = sum(
+                trace.storage_bytes[sid]
+                for later in range(reader + 1, event + 1)
+                for sid in trace.event_outputs[later]
+                if trace.storage_is_activation[sid] and trace.storage_needs_grad[sid]
+            )
+            transient = output_gradient + max(peak - gradient, held)
+            trace.event_workspace[reader] = max(trace.event_workspace[reader], transient)
+            return
+    trace.event_workspace[event] = max(trace.event_workspace[event], peak)
 
 
 def candidate_modules(module: nn.Module) -> dict[nn.Module, str]:
@@ -450,8 +490,7 @@ def record_trace(
         peak = sum(dequantization_peak(weight) for weight in weights)
         trace.event_forward_workspace[event] = max(trace.event_forward_workspace[event], peak)
     for event, saved in recorder.saved_quantized.items():
-        peak = sum(dequantization_peak(weight, dtype) for weight, dtype in saved)
-        trace.event_workspace[event] = max(trace.event_workspace[event], peak)
+        _place_backward_dequantization(trace, event, saved, recorder.function_reads)
     trace.event_backward_cost = [0.0] * trace.num_events
     for event, (forward_ns, backward_ns) in times.items():
         trace.event_cost[event] = forward_ns

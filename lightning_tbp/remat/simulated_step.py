@@ -730,12 +730,16 @@ class SimulatedStep:
             self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1
             outer_region, self.region = self.region, ctx
             defers = self.effects.defer_block(ctx, region)  # its inputs stay, for the effects to run it again
+            # torch recomputes at the first unpack of a saved tensor: the backward of the block's
+            # last ops, which saved nothing (a residual add, a scale by a number), runs before
+            tail = self.save_free_tail(ctx)
+            self.backward(ctx, tail, facts.last[ctx])
             # torch forks the RNG around a recompute: a copy of the CPU state lives while it runs
             self.mem += trace.checkpoint_state_bytes
             self.forward(ctx, facts.first[ctx], self.early_stop_end(ctx), recompute=True)
             self.mem -= trace.checkpoint_state_bytes
             self.release(self.node_cache.pop(ctx, []))  # consumed by the recompute (or its saves)
-            self.backward(ctx, facts.first[ctx], facts.last[ctx])
+            self.backward(ctx, facts.first[ctx], tail - 1)
             recomputed = ctx in self.recomputed_nodes
             self.recomputed_nodes.discard(ctx)
             if defers:
@@ -748,6 +752,26 @@ class SimulatedStep:
                 self.release_stashes_inside(ctx)
             self.region = outer_region
             event = facts.first[ctx] - 1
+
+    def save_free_tail(self, block: int) -> int:
+        """First event of the run of ``block``'s last events whose backward unpacks nothing:
+        they saved nothing, or no gradient reaches them (a dead branch: no backward at all), and
+        lie in no checkpoint inside it (``last + 1``: none). Only full and selective checkpoints
+        recompute on an unpack (a streamed block's weights come in first)."""
+        trace, facts = self.trace, self.facts
+        last = facts.last[block]
+        if self.options[block] not in (Option.FULL, Option.SELECTIVE):
+            return last + 1
+        event_node, event_saves, resident_saves = trace.event_node, trace.event_saves, trace.event_resident_saves
+        dead = facts.dead
+        tail = last + 1
+        while tail > facts.first[block]:
+            event = tail - 1
+            unpacks = (event_saves[event] or resident_saves[event]) and not dead[event]
+            if unpacks or self.context(event_node[event], block) >= 0:
+                break
+            tail = event
+        return tail
 
     def early_stop_end(self, block: int) -> int:
         """Last event a recompute of ``block`` runs, given the checkpoints inside it."""

@@ -131,7 +131,8 @@ class TraceFacts:
         self.is_view_op = [traits.picks_part for traits in trace.event_traits]
         self.heavy = [traits.heavy for traits in trace.event_traits]
         # ops no gradient reaches contribute none, and their saves go in the forward
-        dead, self.dead_release_at = dead_branches(trace)
+        self.dead, self.dead_release_at = dead_branches(trace)
+        dead = self.dead
         self.partial_grads: list[list[tuple[int, int]]] = [[] for _ in range(n_events)]
         merged = set()
         for event, partial in enumerate(trace.event_partial_inputs):

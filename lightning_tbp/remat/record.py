@@ -277,15 +277,18 @@ def dequantization_peak(weight: torch.Tensor, backward_dtype: torch.dtype | None
         fake = any(isinstance(inner, FakeTensor) for inner in plain_tensors(weight))
         if weight.dim() != 2 or fake or not can_meter(weight.device):
             return apparent
+        use: Callable[[], torch.Tensor]
         if backward_dtype is None:
             row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+            use = partial(F.linear, row, weight)
         else:
             gradient = torch.zeros(1, weight.shape[0], dtype=backward_dtype, device=weight.device)
+
+            def use() -> torch.Tensor:  # the dequantization inside the metered region
+                return gradient @ dequantized(weight, backward_dtype)
+
         with torch.no_grad(), allocator_peak(weight.device) as reading:
-            if backward_dtype is None:
-                F.linear(row, weight)
-            else:
-                gradient @ dequantized(weight, backward_dtype)
+            use()
         _DEQUANTIZATION_PEAKS[key] = max(apparent, reading.peak_bytes)
     return _DEQUANTIZATION_PEAKS[key]
 

@@ -10,6 +10,10 @@ import torch
 from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from torch import nn
 
+from lightning_tbp.remat.pricing import price_by_flops
+from lightning_tbp.remat.record import record_trace
+from lightning_tbp.remat.trace import Trace
+
 
 class ResidualMLPBlock(nn.Module):
     def __init__(self, width: int) -> None:
@@ -37,6 +41,31 @@ def tiny_unet() -> UNet2DModel:
         up_block_types=("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
         attention_head_dim=8,
     )
+
+
+class Unrolled(nn.Module):
+    """``calls`` steps of a denoiser with gradients through every one: ``x <- x - 0.1 * f(x, t - i)``."""
+
+    def __init__(self, denoiser: nn.Module, calls: int, **conditioning: torch.Tensor) -> None:
+        super().__init__()
+        self.denoiser, self.calls, self.conditioning = denoiser, calls, conditioning
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for i in range(self.calls):
+            x = x - 0.1 * self.denoiser(x, t - i, **self.conditioning).sample
+        return x
+
+
+def chain_trace(calls: int, per_op_ns: float = 0.0) -> Trace:
+    """An unrolled chain of tiny U-Net calls priced by FLOPs (plus ``per_op_ns`` per op): the
+    solver's searches on it are deterministic."""
+    torch.manual_seed(0)
+    model = Unrolled(tiny_unet(), calls=calls)
+    trace = record_trace(model, (torch.randn(2, 3, 32, 32), torch.tensor([500, 700])), {}, measure=False)
+    price_by_flops(trace)
+    if per_op_ns:  # 1 GFLOP/s and a fixed cost per op, as a CPU's dispatch
+        trace.event_cost = [flops / 1e3 + per_op_ns for flops in trace.event_flops]
+    return trace
 
 
 def tiny_cond_unet() -> UNet2DConditionModel:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from models import max_relative_difference, mlp_chain, tiny_dit, tiny_unet
+from models import Unrolled, chain_trace, max_relative_difference, mlp_chain, tiny_dit, tiny_unet
 from torch import nn
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
@@ -20,7 +20,6 @@ from lightning_tbp.memory import measure_peak
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
-from lightning_tbp.remat.pricing import price_by_flops
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.repeats import repeated_calls
 from lightning_tbp.remat.report import call_summaries, format_report
@@ -29,19 +28,6 @@ from lightning_tbp.remat.solve import Solver, planning_target
 from lightning_tbp.remat.trace import call_key
 
 TOLERANCE = 0.05  # measured within ±5% of predicted, as everywhere else
-
-
-class Unrolled(nn.Module):
-    """``calls`` steps of a denoiser with gradients through every one: ``x <- x - 0.1 * f(x, t - i)``."""
-
-    def __init__(self, denoiser: nn.Module, calls: int, **conditioning: torch.Tensor) -> None:
-        super().__init__()
-        self.denoiser, self.calls, self.conditioning = denoiser, calls, conditioning
-
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        for i in range(self.calls):
-            x = x - 0.1 * self.denoiser(x, t - i, **self.conditioning).sample
-        return x
 
 
 class TwoScales(nn.Module):
@@ -137,20 +123,8 @@ def test_every_call_of_a_module_is_a_block_with_a_key_of_its_own() -> None:
     assert trace.nodes[second.index + 1].key == "shared.0#1"  # the children of a call are calls too
 
 
-def _chain_trace(calls: int, per_op_ns: float = 0.0):
-    """An unrolled chain of tiny U-Net calls priced by FLOPs (plus ``per_op_ns`` per op): the
-    solver's searches on it are deterministic."""
-    torch.manual_seed(0)
-    model = Unrolled(tiny_unet(), calls=calls)
-    trace = record_trace(model, (torch.randn(2, 3, 32, 32), torch.tensor([500, 700])), {}, measure=False)
-    price_by_flops(trace)
-    if per_op_ns:  # 1 GFLOP/s and a fixed cost per op, as a CPU's dispatch
-        trace.event_cost = [flops / 1e3 + per_op_ns for flops in trace.event_flops]
-    return trace
-
-
 def test_the_calls_of_a_chain_repeat_each_other_and_calls_at_other_shapes_do_not() -> None:
-    trace = _chain_trace(4)
+    trace = chain_trace(4)
     members = repeated_calls(trace)
     calls = [node.index for node in trace.nodes if node.path == "denoiser"]
     # the first call reads the batch, which needs no gradient, and saves less: it stays apart
@@ -172,7 +146,7 @@ def test_a_chain_searched_as_one_sequence_plans_near_the_call_by_call_search_for
     calls planned again apart) fits the budget for at most 1.25x the recomputation the search
     over every call's blocks apart finds (0.90-1.19x on these and two more cases), with at most
     a third of its simulations (each replays the whole chain)."""
-    trace = _chain_trace(8, per_op_ns)
+    trace = chain_trace(8, per_op_ns)
     tied, untied = Solver(Simulator(trace)), Solver(Simulator(trace), tie_repeats=False)
     assert tied.chained and not untied.chained
     budget = int(tied.naive().peak_bytes * fraction)

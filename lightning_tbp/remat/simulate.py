@@ -9,7 +9,11 @@ of checkpoints and lazy blocks), with what the step model adds around the plain 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.shared_prefix import SharedPrefix
 from lightning_tbp.remat.simulated_step import Captured, Holdings, OverLimit, SimResult, SimulatedStep
 from lightning_tbp.remat.step import NOTHING_ALONGSIDE, PLAIN_LOOP, PLAIN_STEP, Alongside, LoopModel, StepModel
 from lightning_tbp.remat.trace import Trace
@@ -50,6 +54,18 @@ class Simulator:
         self.alongside = alongside
         self.facts = TraceFacts(trace, noted={note.event for note in trace.step_notes})
         self.effects = step.effects_for(trace)
+        self.shared: SharedPrefix | None = None
+
+    @contextmanager
+    def sharing_prefix(self, split: int) -> Iterator[SharedPrefix]:
+        """Simulations in this context share what plans agreeing on every block that starts
+        before event ``split`` have in common (``shared_prefix.py``): for a search that moves
+        only blocks after it."""
+        self.shared = SharedPrefix(self.facts, split)
+        try:
+            yield self.shared
+        finally:
+            self.shared = None
 
     @property
     def step_ns(self) -> float:
@@ -78,6 +94,7 @@ class Simulator:
             capture_step=capture_step,
             limit_bytes=limit_bytes,
             host_limit_bytes=self.host_budget_bytes,
+            shared=self.shared,
         )
 
     def run(self, options: list[Option]) -> SimResult:

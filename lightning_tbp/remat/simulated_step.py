@@ -43,11 +43,13 @@ from dataclasses import dataclass, field
 from lightning_tbp.remat.host_tier import offloaded
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
+from lightning_tbp.remat.shared_prefix import RestOfStep, SharedPrefix, copied, fingerprint, snapshot
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
     PLAIN_LOOP,
     PLAIN_STEP,
     Alongside,
+    BackwardPass,
     LoopModel,
     PriorGradients,
     StepModel,
@@ -149,6 +151,7 @@ class SimulatedStep:
         capture_step: int = -1,
         limit_bytes: float = math.inf,
         host_limit_bytes: float = math.inf,
+        shared: SharedPrefix | None = None,
     ) -> None:
         self.facts = facts
         self.limit_bytes = limit_bytes
@@ -232,33 +235,121 @@ class SimulatedStep:
         self.parameter_step_ratio = loop.parameter_step_ratio
 
         trace = self.trace
-        self.forward(0, 0, trace.num_events - 1, recompute=False)
+        # a prefix shared with other plans (``shared_prefix.py``): the plain single-pass step only
+        if shared is not None and (effects is not None or len(step.passes) > 1):
+            shared = None
+        key = shared.key(options) if shared is not None else None
+        split = shared.split if shared is not None and key is not None else 0
+        if shared is not None and key is not None and not self.resume(shared, key):
+            self.forward(0, 0, split - 1, recompute=False)
+            shared.keep_state(key, snapshot(vars(self)))
+        self.forward(0, split, trace.num_events - 1, recompute=False)
         self.forward_end = self.mem
         self.effects = effects(self) if effects is not None else StepEffects(self)
+        if shared is not None and key is not None:
+            self.begin_pass(step.passes[0], loss_bytes, alongside)
+            self.backward(0, split, trace.num_events - 1)
+            self.rest_shared(shared, key, loop)
+            return
         for backward_pass in step.passes:
-            self.pass_ = backward_pass
-            # a probe of the first step only: its memory counts, its recomputation is no cost of every step
-            self.timing = backward_pass.every_step
-            if loss_bytes:  # the loss's backward (its forward, too, before the first pass)
-                self.mem += loss_bytes
-                self.loss_steps.add(self.step)
-                self.tick()
-                self.mem -= loss_bytes
-            if not self.in_backward:  # training_step returned: its own tensors go, the batch stays
-                self.mem -= alongside.until_backward
-            self.in_backward = True  # Lightning frees the last step's gradients here
-            for sid in trace.module_outputs:
-                if trace.storage_needs_grad[sid] and sid not in self.grads:
-                    self.grads.add(sid)
-                    self.mem += facts.sizes[sid]
-            self.tick()
+            self.begin_pass(backward_pass, loss_bytes, alongside)
             self.backward(0, 0, trace.num_events - 1)
             self.end_pass()
-        if loop.optimizer_step_bytes and not loop.step_in_backward:  # on the gradients, after the backward
+        self.optimizer_step_after(loop)
+
+    def begin_pass(self, backward_pass: BackwardPass, loss_bytes: int, alongside: Alongside) -> None:
+        """A backward pass starts: the loss's backward (its forward too, before the first pass),
+        then the module's outputs' gradients."""
+        self.pass_ = backward_pass
+        # a probe of the first step only: its memory counts, its recomputation is no cost of every step
+        self.timing = backward_pass.every_step
+        if loss_bytes:
+            self.mem += loss_bytes
+            self.loss_steps.add(self.step)
+            self.tick()
+            self.mem -= loss_bytes
+        if not self.in_backward:  # training_step returned: its own tensors go, the batch stays
+            self.mem -= alongside.until_backward
+        self.in_backward = True  # Lightning frees the last step's gradients here
+        for sid in self.trace.module_outputs:
+            if self.trace.storage_needs_grad[sid] and sid not in self.grads:
+                self.grads.add(sid)
+                self.mem += self.facts.sizes[sid]
+        self.tick()
+
+    def optimizer_step_after(self, loop: LoopModel) -> None:
+        """The optimizer's step on the gradients, after the backward (unless it runs inside it)."""
+        if loop.optimizer_step_bytes and not loop.step_in_backward:
             self.mem += loop.optimizer_step_bytes
             self.optimizer_step = self.step
             self.tick()
             self.mem -= loop.optimizer_step_bytes
+
+    def resume(self, shared: SharedPrefix, key: tuple[Option, ...]) -> bool:
+        """Take the forward's state at the shared prefix's end from an earlier simulation of it;
+        False where none is kept, or where this one must stop inside the prefix (a capture)."""
+        state = shared.resume_state(key)
+        if state is None or 0 <= self.capture_step < state["step"]:
+            return False
+        for name, value in state.items():
+            setattr(self, name, copied(value))
+        if self.peak > self.limit_bytes:
+            raise OverLimit
+        return True
+
+    def rest_shared(self, shared: SharedPrefix, key: tuple[Option, ...], loop: LoopModel) -> None:
+        """The rest of the step (the backward before the split, the pass's end, the optimizer's
+        step): an earlier simulation's where it left the same state, else run here and kept."""
+        split = shared.split
+        if self.capture_step >= self.step:  # the capture is in the rest: run it
+            self.rest_of_step(split, loop)
+            return
+        state = fingerprint(vars(self), split)
+        rest = shared.rest(key, state)
+        if rest is None:
+            state = snapshot(state)  # the rest edits the step's own fields
+            rest = self.run_rest(split, loop)
+            shared.keep_rest(key, state, rest)
+        if rest.peak > self.limit_bytes:
+            raise OverLimit
+        if rest.peak > self.peak:
+            self.peak, self.peak_step = rest.peak, self.step + rest.peak_offset
+        for case, peak in rest.case_peaks.items():
+            self.case_peaks[case] = max(self.case_peaks[case], peak)
+        self.host_peak = max(self.host_peak, rest.host_peak)
+        self.recompute_cost += rest.recompute_cost
+        self.recompute_flops += rest.recompute_flops
+        for node, count in rest.recompute_counts.items():
+            self.recompute_counts[node] = self.recompute_counts.get(node, 0) + count
+        if rest.optimizer_offset >= 0:
+            self.optimizer_step = self.step + rest.optimizer_offset
+
+    def rest_of_step(self, split: int, loop: LoopModel) -> None:
+        self.backward(0, 0, split - 1)
+        self.end_pass()
+        self.optimizer_step_after(loop)
+
+    def run_rest(self, split: int, loop: LoopModel) -> RestOfStep:
+        """Run the rest of the step with its results counted apart (the running ones put aside)."""
+        put_aside = (self.peak, self.peak_step, self.case_peaks, self.host_peak)
+        cost, flops, counts, start = self.recompute_cost, self.recompute_flops, self.recompute_counts, self.step
+        self.peak, self.host_peak, self.case_peaks = -1, -1, dict.fromkeys(self.cases, -1)
+        self.recompute_cost, self.recompute_flops, self.recompute_counts = 0.0, 0, {}
+        self.rest_of_step(split, loop)
+        rest = RestOfStep(
+            peak=self.peak,
+            peak_offset=self.peak_step - start,
+            case_peaks=self.case_peaks,
+            host_peak=self.host_peak,
+            recompute_cost=self.recompute_cost,
+            recompute_flops=self.recompute_flops,
+            recompute_counts=self.recompute_counts,
+            optimizer_offset=self.optimizer_step - start if self.optimizer_step >= 0 else -1,
+        )
+        self.peak, self.peak_step, self.case_peaks, self.host_peak = put_aside
+        self.recompute_cost, self.recompute_flops, self.recompute_counts = cost, flops, counts
+        self.step, self.optimizer_step = start, -1
+        return rest
 
     def result(self) -> SimResult:
         """The step's result; a plan that passes the host budget cannot run, so its device peak

@@ -429,21 +429,24 @@ class Solver:
                     tail.update(range(member, self.subtree_end[member]))
         best = starts[-1]
         self._movable = frozenset(tail)
+        # every plan tried from here differs only in the tail: the simulations share the rest
+        split = min(self.sim.facts.first[i] for i in tail if self.nodes[i].has_events)
         try:
-            for options, result in starts:
-                # a plan that fits starts with its tail unplanned; one above the target as it is
-                start = (
-                    [Option.KEEP if i in tail else o for i, o in enumerate(options)]
-                    if result.peak_bytes <= budget_bytes
-                    else options
-                )
-                replanned = self.greedy(start, self.simulate(start), budget_bytes)
-                if replanned[1].peak_bytes > budget_bytes:
-                    continue
-                planned = frozenset(i for i in tail if replanned[0][i] != Option.KEEP)
-                replanned = self.prune(*replanned, budget_bytes, only=planned)
-                if replanned[1].recompute_cost < best[1].recompute_cost:
-                    best = replanned
+            with self.sim.sharing_prefix(split):
+                for options, result in starts:
+                    # a plan that fits starts with its tail unplanned; one above the target as it is
+                    start = (
+                        [Option.KEEP if i in tail else o for i, o in enumerate(options)]
+                        if result.peak_bytes <= budget_bytes
+                        else options
+                    )
+                    replanned = self.greedy(start, self.simulate(start), budget_bytes)
+                    if replanned[1].peak_bytes > budget_bytes:
+                        continue
+                    planned = frozenset(i for i in tail if replanned[0][i] != Option.KEEP)
+                    replanned = self.prune(*replanned, budget_bytes, only=planned)
+                    if replanned[1].recompute_cost < best[1].recompute_cost:
+                        best = replanned
         finally:
             self._movable = None
         return best

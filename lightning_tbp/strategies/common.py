@@ -39,6 +39,7 @@ from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
 from lightning_tbp.remat.budget import BudgetSpec
 from lightning_tbp.remat.host_tier import HostTier, default_host_budget
+from lightning_tbp.remat.overheads import step_overheads
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN, check_max_slowdown
 from lightning_tbp.remat.step import LoopAlternative, PriorGradients
@@ -281,6 +282,10 @@ class TinyBackpropMixin:
                     "trains, or memory_budget=None"
                 )
             self._reported.clear()
+            # the device's option overheads are probed once per process with buffers of their own
+            # (a 4 MiB host round trip among them): now, before training, not inside the first
+            # step's planning, whose memory counts in that step
+            step_overheads(self.root_device)
             agree = self._agree_on_plan if self.world_size > 1 else None
             passes = 1 if self.privacy is None else BACKWARD_PASSES[self.privacy.config.mode]
             self._alongside = AlongsideMeter(self.lightning_module, self.root_device, self._made_since_batch_start)

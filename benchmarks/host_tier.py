@@ -21,6 +21,7 @@ streams can peak below zero); ``parameter_bytes`` turns them into device totals.
 
     python benchmarks/host_tier.py --out docs/benchmarks [--names unet2d flux sdxl_unet] [--rounds 3]
     python benchmarks/host_tier.py --out docs/benchmarks --lora 4 --names flux sd3 --batch 2
+    python benchmarks/host_tier.py --out DIR --device cuda --names flux   # the GPU check's part
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _seeded(case: ZooCase, model: nn.Module) -> Callable[[], None]:
     return step
 
 
-def _peaks(model: nn.Module, step: Callable[[], None], streamed: int = 0) -> tuple[int, int]:
+def _peaks(model: nn.Module, step: Callable[[], None], device: torch.device, streamed: int = 0) -> tuple[int, int]:
     """Exact device peak (against the parameters as loaded: ``streamed`` bytes of weights on the
     host come off) and host-tier peak (streamed weights included) of one step that starts
     without gradients."""
@@ -71,8 +72,8 @@ def _peaks(model: nn.Module, step: Callable[[], None], streamed: int = 0) -> tup
     gc.collect()
     host_use.reset_peak()
     others = host_use.live - streamed  # what other models' plans keep on the host
-    device = measure_peak(step).peak_bytes - streamed
-    return device, host_use.peak - others
+    peak = measure_peak(step, device).peak_bytes - streamed
+    return peak, host_use.peak - others
 
 
 def hand_settings(case: ZooCase, stream: bool) -> tuple[dict[str, dict[str, Option]], dict[str, tuple[str, ...]]]:
@@ -144,13 +145,14 @@ def _parameter_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def measure(name: str, batch: int, rounds: int, lora: int = 0) -> dict[str, Any]:
-    case = ZOO[name].case(batch=batch)
+def measure(name: str, batch: int, rounds: int, lora: int = 0, device: str = "cpu") -> dict[str, Any]:
+    on = torch.device(device)
+    case = ZOO[name].case(batch=batch, device=device)
     if lora:
         add_lora(case.model, lora_options(lora))
     plain = case.model
     plain_step = _seeded(case, plain)
-    naive, _ = _peaks(plain, plain_step)
+    naive, _ = _peaks(plain, plain_step, on)
     reference = grads_of(plain)
     rows: list[dict[str, Any]] = []
     settings, weights = hand_settings(case, stream=lora > 0)
@@ -164,17 +166,17 @@ def measure(name: str, batch: int, rounds: int, lora: int = 0) -> dict[str, Any]
         step = _seeded(case, model)
         planned_model = copy.deepcopy(plain)
         try:
-            device, host = _peaks(model, step, wrappers.weights.moved_bytes)
+            hand_peak, host = _peaks(model, step, on, wrappers.weights.moved_bytes)
             grads = grads_of(model)
-            plan, below_floor = _plan_at(planned_model, case, device)
+            plan, below_floor = _plan_at(planned_model, case, hand_peak)
             planned_step = _seeded(case, planned_model)
             try:
                 shape_plan = plan.current
                 assert shape_plan is not None
-                plan_device, plan_host = _peaks(planned_model, planned_step, plan.streamed_bytes)
+                plan_device, plan_host = _peaks(planned_model, planned_step, on, plan.streamed_bytes)
                 plan_grads = grads_of(planned_model)
                 plan_seconds, hand_seconds, naive_seconds = median_times_in_turns(
-                    [(planned_model, planned_step), (model, step), (plain, plain_step)], rounds, torch.device("cpu")
+                    [(planned_model, planned_step), (model, step), (plain, plain_step)], rounds, on
                 )
             finally:
                 plan.remove()
@@ -183,7 +185,7 @@ def measure(name: str, batch: int, rounds: int, lora: int = 0) -> dict[str, Any]
         row = {
             "setting": setting,
             "blocks": len(options),
-            "hand_peak_bytes": device,
+            "hand_peak_bytes": hand_peak,
             "hand_host_peak_bytes": host,
             "hand_time_ratio": hand_seconds / naive_seconds,
             "hand_grad_max_rel_diff": max_rel_diff(grads, reference),
@@ -241,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--lora", type=int, default=0, help="LoRA rank on a frozen base (0: full fine-tune)")
+    parser.add_argument("--device", default="cpu", help="cuda: the host tier is pinned memory, copies timed")
     args = parser.parse_args(argv)
-    models = [measure(name, args.batch, args.rounds, args.lora) for name in args.names]
+    models = [measure(name, args.batch, args.rounds, args.lora, args.device) for name in args.names]
     stem = f"host_tier_lora{args.lora}" if args.lora else "host_tier"
     write_result({"machine": machine_info(), "models": models}, args.out, stem, plot)
 

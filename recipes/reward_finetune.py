@@ -4,8 +4,9 @@ A U-Net (a local diffusers folder with ``--pretrained``, else a fresh small one)
 batch with ``--steps`` DDIM steps; a reward model scores the samples and the loss, the negative
 reward, is backpropagated through the last ``--grad-steps`` steps. The reward model here is
 ``ConvReward``, a seeded stand-in: put your own differentiable scorer in its place. The plan
-covers the whole chain (``target="chain"``), each call of the U-Net planned on its own; the
-plan report is printed. The adapters are written in diffusers' LoRA format.
+covers the whole chain and the reward model (the strategy's default target, the module's
+``scored``), each call of the U-Net planned on its own; the plan report is printed. The adapters
+are written in diffusers' LoRA format.
 
     python recipes/reward_finetune.py --steps 8 --grad-steps 8 --memory-budget 0.3 --out outputs/reward
 """
@@ -56,7 +57,7 @@ def main(argv: Sequence[str] | None = None) -> RewardFineTuneModule:
         export_dir=str(args.out / "lora"),
     )
     noises = NoiseBatches(args.batch_size * args.max_steps, model.sample_shape(1)[1:])
-    strategy = TinyBackpropStrategy(memory_budget=_budget(args.memory_budget), target="chain")
+    strategy = TinyBackpropStrategy(memory_budget=_budget(args.memory_budget))
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,

@@ -109,7 +109,12 @@ PARTS: list[Part] = [
         gpu=_bench("estimate_check.py", "--device", "cuda", "--out", "{out}"),
         smoke=_bench("estimate_check.py", "--device", "cpu", "--smoke", "--out", "{out}"),
     ),
-    Part("peak_breakdown", limit_s=60, gpu=_bench("peak_breakdown.py", "--out", "{out}"), smoke=[]),
+    Part(
+        "host_tier",
+        limit_s=60,
+        gpu=_bench("host_tier.py", "--device", "cuda", "--names", "flux", "--batch", "8", "--out", "{out}"),
+        smoke=_bench("host_tier.py", "--names", "dit", "--batch", "2", "--rounds", "1", "--out", "{out}"),
+    ),
     *(
         Part(
             f"zoo_{name}",

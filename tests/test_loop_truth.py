@@ -404,7 +404,7 @@ def test_a_reward_fine_tune_through_the_sampling_chain_holds_its_promise(grad_st
         ConvReward(channels=1), model_config=MAIN_JOB_UNET, sampling_steps=4, grad_steps=grad_steps, lora_rank=4
     )
     loader = DataLoader(NoiseBatches(16, module.sample_shape(1)[1:]), batch_size=4)
-    strategy = TinyBackpropStrategy(memory_budget=0.5, target="chain")
+    strategy = TinyBackpropStrategy(memory_budget=0.5)  # the chain and the reward, the default target
     run = _fit(module, loader, strategy, max_steps=4)
     _assert_the_promise_holds(run)
     assert any("#" in key for key in run["plan"].options), "a later call of the U-Net is planned"
@@ -444,14 +444,12 @@ def test_a_long_chain_searched_as_one_sequence_holds_its_promise_in_the_fit(fami
     monkeypatch.setattr(Simulator, "sharing_prefix", recorded)
     torch.manual_seed(0)
     config = MAIN_JOB_UNET if family == "unet2d" else CHAIN_DIT
-    # the reward model's forward and backward are the loss, which no trace sees: the plan counts
-    # an assumed 8 KiB until it is measured (a 16-wide reward held 125 KiB, a tenth of this DiT
-    # chain's planned step, and its prediction read 1.05x); a narrow one keeps that error small
-    reward = ConvReward(channels=config["in_channels"], width=4)
-    module = RewardFineTuneModule(reward, family=family, model_config=config, sampling_steps=8, lora_rank=4)
+    module = RewardFineTuneModule(
+        ConvReward(channels=config["in_channels"]), family=family, model_config=config, sampling_steps=8, lora_rank=4
+    )
     classes = 10 if family == "dit" else None
     loader = DataLoader(NoiseBatches(12, module.sample_shape(1)[1:], classes=classes), batch_size=4)
-    strategy = TinyBackpropStrategy(memory_budget=0.4, target="chain")
+    strategy = TinyBackpropStrategy(memory_budget=0.4)  # the chain and the reward model, planned together
     run = _fit(module, loader, strategy, max_steps=3)
     _assert_the_promise_holds(run)
     assert shared and shared[0].hits > 0, "searched as one sequence, the last calls' plans sharing the rest"

@@ -14,13 +14,20 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).parent / "scripts"))
 from dp_reference import clipped_sum, per_sample_grads
 from multi_device import PER_RANK_BATCH, Regressor, optimizer_for, regression_data
 
 import lightning_tbp  # noqa: F401  (registers the strategies)
-from lightning_tbp import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
+from lightning_tbp import (
+    InfeasibleBudgetError,
+    TinyBackpropDDPStrategy,
+    TinyBackpropFSDP2Strategy,
+    TinyBackpropFSDPStrategy,
+    TinyBackpropStrategy,
+)
 from lightning_tbp.memory.record import plan_promise
 
 SCRIPT = Path(__file__).parent / "scripts" / "multi_device.py"
@@ -58,7 +65,7 @@ def single_process_params(batches: list[torch.Tensor], scenario: str = "referenc
     for indices in batches:
         _, x, t, y = data[indices]
         optimizer.zero_grad()
-        (model.net(x, t).sample - y).pow(2).mean().backward()
+        (model.net(model.sized(x), t).sample - model.sized(y)).pow(2).mean().backward()
         optimizer.step()
     return {name: p.detach() for name, p in model.net.named_parameters()}
 
@@ -80,11 +87,16 @@ def test_registered_with_their_lightning_bases() -> None:
     assert not TinyBackpropDDPStrategy(gradient_as_bucket_view=True)._fused_step_blockers()
 
 
-def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
-    for name in LAUNCH_VARIABLES:  # the Trainer sets them; monkeypatch restores them afterwards
+def _restore_launch_variables_after(monkeypatch) -> None:
+    """A Trainer run in this process sets the launch variables; monkeypatch restores them after."""
+    for name in LAUNCH_VARIABLES:
         monkeypatch.setenv(name, os.environ.get(name, ""))
         if not os.environ[name]:
             monkeypatch.delenv(name)
+
+
+def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
+    _restore_launch_variables_after(monkeypatch)
     trainer = L.Trainer(strategy="tiny_backprop_fsdp", accelerator="cpu", devices=1, max_steps=1, logger=False)
     with pytest.raises(ValueError, match="CUDA devices only"):
         trainer.fit(Regressor("reference", tmp_path))
@@ -92,16 +104,21 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "scenario", ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle", "ddp_host_tier"]
+    "scenario",
+    ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle", "ddp_host_tier", "lora_ddp_stream"],
 )
-def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path) -> None:
+def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path, monkeypatch) -> None:
     """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
     reduced (DDP's communication hook, FSDP2's post-reduce-scatter hooks): the same weights, every
     parameter stepped inside the backward on every rank. ``ddp_idle``: "auto" with the hook in
     place and no need of the step: DDP's own reduction, nothing stepped inside. ``ddp_host_tier``:
     a budget only the host tier meets, every metered step of the loop within it and 5% of the
-    prediction on both ranks."""
+    prediction on both ranks. ``lora_ddp_stream``: the same with a byte budget below the weights'
+    bytes, which only the frozen base streamed from the host meets."""
     out = tmp_path / scenario
+    if scenario == "lora_ddp_stream":
+        _restore_launch_variables_after(monkeypatch)
+        monkeypatch.setenv("TBP_STREAM_BUDGET", str(_streaming_budget(tmp_path)))
     result = run_two_processes(scenario, out)
     assert result.returncode == 0, result.stderr[-4000:]
     params = torch.load(out / "params.pt")
@@ -122,7 +139,7 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())
-    if scenario in ("ddp", "ddp_host_tier"):
+    if scenario in ("ddp", "ddp_host_tier", "lora_ddp_stream"):
         for rank in range(WORLD):
             steps = json.loads((out / f"loop_steps_rank{rank}.json").read_text())
             assert [step["step"] for step in steps][:3] == [0, 1, 2], (rank, steps)
@@ -130,12 +147,37 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path)
                 assert step["peak_bytes"] <= step["budget_bytes"] and abs(step["ratio"] - 1) <= 0.05, (rank, step)
     if scenario == "ddp_host_tier":
         assert "OFFLOAD" in plans[0].values()
+    if scenario == "lora_ddp_stream":
+        assert "STREAM" in plans[0].values()
     if scenario == "ddp":
         records = [json.loads((out / "memory" / f"memory_rank{r}.json").read_text()) for r in range(WORLD)]
         assert [r["rank"] for r in records] == [0, 1]
         assert all(r["config"]["plan"]["predicted_peak_bytes"] > 0 and r["world_size"] == WORLD for r in records)
         # the memory report's sampled steps, the re-bucketing one included, against the plan's device total
         assert all(plan_promise(r) is not None and r["peak_memory_mb"] <= plan_promise(r).budget_mb for r in records)
+
+
+def _streaming_budget(tmp_path: Path) -> int:
+    """A device budget halfway between the least the LoRA regressor's step needs with the host
+    tier (named by a refused one-process fit) and its parameters' bytes: only streaming the
+    frozen base meets it (DDP's buckets hold the adapters' gradients only: a few KiB)."""
+    model = Regressor("lora_ddp_stream", tmp_path)
+    parameters = sum(p.numel() * p.element_size() for p in model.parameters())
+    trainer = L.Trainer(
+        strategy=TinyBackpropStrategy(memory_budget=1 << 10),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with pytest.raises(InfeasibleBudgetError) as error:
+        trainer.fit(model, DataLoader(regression_data(), batch_size=PER_RANK_BATCH))
+    fits = error.value.minimum_device_bytes
+    assert fits is not None and fits < parameters, (fits, parameters)
+    return (fits + parameters) // 2
 
 
 def _assert_every_parameter_stepped_inside(out: Path, on_host: bool) -> None:

@@ -3,9 +3,11 @@
 The denoiser samples a batch with a few DDIM steps, a differentiable reward scores the result,
 and the loss is the negative reward, backpropagated through the last ``grad_steps`` steps of
 the chain (DRaFT-K; all of them by default). Every step calls the same denoiser, so the step's
-memory grows with the steps' activations; under ``Trainer(strategy=TinyBackpropStrategy(
-target="chain"))`` each call of the denoiser (and of each of its blocks) is a block of the plan
-of its own (``remat/trace.py``: per-call keys), planned against the budget like any other.
+memory grows with the steps' activations; under ``Trainer(strategy=TinyBackpropStrategy())``
+each call of the denoiser (and of each of its blocks) is a block of the plan of its own
+(``remat/trace.py``: per-call keys), planned against the budget like any other. The chain and
+the reward model are one module (:class:`ScoredChain`, the strategy's default target), so the
+reward's forward and backward are in the plan as well.
 
 The reward model is the user's (an aesthetic or preference model, frozen); :class:`ConvReward`
 is a small stand-in built from a seed, for tests and examples that must not download weights.
@@ -53,6 +55,25 @@ class DenoisingChain(nn.Module):
                 prediction = self.family.call(self.denoiser, x, steps, conditioning)
                 x = self.scheduler.step(prediction, t, x, eta=0.0).prev_sample
         return x
+
+
+class ScoredChain(nn.Module):
+    """The sampling chain and the reward of its samples, as one module: what a reward
+    fine-tune's step backpropagates through, so a plan of it counts the reward model too.
+
+    Planned apart (``target="chain"``), the reward's forward and backward are the loss, computed
+    outside the plan's module, which no trace sees: the plan counts a few KiB for it until a
+    step measures it, and a reward model is no small loss (a 16-wide :class:`ConvReward` held a
+    tenth of a small DiT chain's planned step, whose prediction then read 1.05x)."""
+
+    def __init__(self, chain: DenoisingChain, reward_model: nn.Module) -> None:
+        super().__init__()
+        self.chain = chain
+        self.reward_model = reward_model.requires_grad_(False)
+
+    @override
+    def forward(self, noise: torch.Tensor, conditioning: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.reward_model(self.chain(noise, conditioning))
 
 
 class ConvReward(nn.Module):
@@ -143,10 +164,19 @@ class RewardFineTuneModule(L.LightningModule):
         scheduler = DDIMScheduler(
             num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
         )
-        self.chain = DenoisingChain(denoiser, self.family, scheduler, sampling_steps, grad_steps or sampling_steps)
-        self.reward_model = reward_model.requires_grad_(False)
+        chain = DenoisingChain(denoiser, self.family, scheduler, sampling_steps, grad_steps or sampling_steps)
+        self.scored = ScoredChain(chain, reward_model)
         self.optimizer_name, self.lr, self.weight_decay = optimizer, lr, weight_decay
         self.export_dir, self.trains_adapters = export_dir, lora_rank is not None
+
+    @property
+    def chain(self) -> DenoisingChain:
+        """The sampling chain alone (``target="chain"`` plans it without the reward model)."""
+        return self.scored.chain
+
+    @property
+    def reward_model(self) -> nn.Module:
+        return self.scored.reward_model
 
     @property
     def denoiser(self) -> nn.Module:
@@ -160,7 +190,7 @@ class RewardFineTuneModule(L.LightningModule):
     def rewards(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-sample rewards of the chain's samples from the batch's noise, shape [B]."""
         conditioning = {key: value for key, value in batch.items() if key != "noise"}
-        return self.reward_model(self.chain(batch["noise"], conditioning))
+        return self.scored(batch["noise"], conditioning)
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

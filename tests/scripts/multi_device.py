@@ -17,6 +17,9 @@ Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless s
   ddp_host_tier
                ddp at a budget only the host tier meets (0.44 of the step's naive peak: 0.469
                without it, 0.416 with it), taken by "auto"
+  lora_ddp_stream
+               lora_ddp under a byte budget per device below its parameters' bytes (the test's
+               TBP_STREAM_BUDGET): only its frozen base weights streamed from the host meet it
   ddp_adam     ddp_fused with Adam
   ddp_host     ddp_adam with the state and step on the host (optimizer_state_on_host=True)
   dp_ddp       one DP step (ghost, noise 0): initial weights, each rank's sample indices,
@@ -26,6 +29,7 @@ Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless s
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -70,10 +74,16 @@ class Regressor(L.LightningModule):
             raise RuntimeError("rank 1 fails on purpose")
         self.seen.append(index)
         torch.save(self.seen, self.out / f"indices_rank{self.global_rank}.pt")
+        x, y = self.sized(x), self.sized(y)
         per_sample = (self.net(x, t).sample - y).pow(2).flatten(1).mean(1)
         if self.scenario == "dp_noise":
             per_sample = per_sample * 0
         return per_sample if self.scenario.startswith("dp") else per_sample.mean()
+
+    def sized(self, images: torch.Tensor) -> torch.Tensor:
+        """The images the scenario trains on: 8x8 where the frozen weights must outweigh the
+        activations (streaming them is then what a budget below the weights needs)."""
+        return torch.nn.functional.avg_pool2d(images, 4) if self.scenario == "lora_ddp_stream" else images
 
     def on_train_start(self) -> None:
         if self.global_rank == 0:
@@ -155,6 +165,10 @@ if __name__ == "__main__":
         from lightning_tbp import TinyBackpropDDPStrategy
 
         strategy = TinyBackpropDDPStrategy(memory_budget=0.44)
+    if scenario == "lora_ddp_stream":
+        from lightning_tbp import TinyBackpropDDPStrategy
+
+        strategy = TinyBackpropDDPStrategy(memory_budget=int(os.environ["TBP_STREAM_BUDGET"]))
     if scenario.startswith("dp"):
         from lightning_tbp import TinyBackpropDDPStrategy
 

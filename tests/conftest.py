@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 from collections.abc import Iterator
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from lightning_tbp.remat.pricing import priced_by_flops
+from lightning_tbp.remat.shared_prefix import SharedPrefix
+from lightning_tbp.remat.simulate import Simulator
 
 sys.path.insert(0, str(Path(__file__).parent))  # the tests' shared helpers (models.py, dp_reference.py)
 
@@ -29,3 +32,20 @@ def flop_priced_plans() -> Iterator[None]:
     failing draw replays with the plan that failed."""
     with priced_by_flops():
         yield
+
+
+@pytest.fixture
+def shared_prefixes(monkeypatch: pytest.MonkeyPatch) -> list[SharedPrefix]:
+    """Every prefix the simulations share while the test runs (``Simulator.sharing_prefix``), in
+    the order the searches opened them: which searches shared, and how often a rest was taken."""
+    opened: list[SharedPrefix] = []
+    sharing_prefix = Simulator.sharing_prefix
+
+    @contextlib.contextmanager
+    def recorded(self: Simulator, split: int) -> Iterator[SharedPrefix]:
+        with sharing_prefix(self, split) as prefix:
+            opened.append(prefix)
+            yield prefix
+
+    monkeypatch.setattr(Simulator, "sharing_prefix", recorded)
+    return opened

@@ -424,24 +424,13 @@ CHAIN_DIT = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["unet2d", "dit"])
-def test_a_long_chain_searched_as_one_sequence_holds_its_promise_in_the_fit(family: str, monkeypatch) -> None:
+def test_a_long_chain_searched_as_one_sequence_holds_its_promise_in_the_fit(family: str, shared_prefixes) -> None:
     """Eight sampling steps with gradients through all of them: enough calls that the solver
     searches the chain as one sequence (each block's calls moved together, the last two calls
     planned apart with the rest of the step shared between their plans), checked on every
     metered step of a whole fit, the first included."""
     from lightning_tbp.diffusion.reward import ConvReward, NoiseBatches, RewardFineTuneModule
-    from lightning_tbp.remat.simulate import Simulator
 
-    shared = []
-    sharing_prefix = Simulator.sharing_prefix
-
-    @contextlib.contextmanager
-    def recorded(self: Simulator, split: int):
-        with sharing_prefix(self, split) as prefix:
-            shared.append(prefix)
-            yield prefix
-
-    monkeypatch.setattr(Simulator, "sharing_prefix", recorded)
     torch.manual_seed(0)
     config = MAIN_JOB_UNET if family == "unet2d" else CHAIN_DIT
     module = RewardFineTuneModule(
@@ -452,5 +441,7 @@ def test_a_long_chain_searched_as_one_sequence_holds_its_promise_in_the_fit(fami
     strategy = TinyBackpropStrategy(memory_budget=0.4)  # the chain and the reward model, planned together
     run = _fit(module, loader, strategy, max_steps=3)
     _assert_the_promise_holds(run)
-    assert shared and shared[0].hits > 0, "searched as one sequence, the last calls' plans sharing the rest"
+    assert shared_prefixes and shared_prefixes[0].hits > 0, (
+        "searched as one sequence, the last calls' plans sharing the rest"
+    )
     assert any("#" in key for key in run["plan"].options), "a later call of the denoiser is planned"

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from models import chain_trace
 
 from lightning_tbp.remat.options import Option
-from lightning_tbp.remat.shared_prefix import SharedPrefix
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
 from lightning_tbp.remat.step import LoopModel, PriorGradients
@@ -74,20 +73,12 @@ def test_a_shared_prefix_simulates_every_plan_as_a_whole_simulation_does(trace, 
     assert shared.key(plans[-1]) is None or shared.hits > 0  # the repeated plan's rest, at least, was taken
 
 
-def test_the_search_over_a_chains_last_calls_shares_their_prefix_and_finds_the_same_plan(monkeypatch) -> None:
+def test_the_search_over_a_chains_last_calls_shares_their_prefix_and_finds_the_same_plan(
+    shared_prefixes, monkeypatch
+) -> None:
     trace = chain_trace(8)
     shared = Solver(Simulator(trace))
     budget = int(shared.naive().peak_bytes * 0.2)
-    used: list[SharedPrefix] = []
-    sharing_prefix = Simulator.sharing_prefix
-
-    @contextmanager
-    def recorded(self: Simulator, split: int) -> Iterator[SharedPrefix]:
-        with sharing_prefix(self, split) as prefix:
-            used.append(prefix)
-            yield prefix
-
-    monkeypatch.setattr(Simulator, "sharing_prefix", recorded)
     with_sharing = shared.solve(budget)
     monkeypatch.undo()
 
@@ -97,6 +88,7 @@ def test_the_search_over_a_chains_last_calls_shares_their_prefix_and_finds_the_s
 
     monkeypatch.setattr(Simulator, "sharing_prefix", not_shared)
     without = Solver(Simulator(trace)).solve(budget)
+    used = shared_prefixes
     assert shared.chained and len(used) == 1
     assert with_sharing.options == without.options and with_sharing.result == without.result
     assert with_sharing.simulations == without.simulations

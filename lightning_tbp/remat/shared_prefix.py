@@ -82,12 +82,12 @@ _KEPT = 8
 class RestOfStep:
     """What the rest of a step (from the backward at ``split`` to the step's end) did: its own
     peak and per-case peaks, the step (counted from the split) of its peak and of the optimizer
-    step (-1: none), its costs and recomputations."""
+    step (-1: none), its costs and recomputations. Nothing about the host tier: blocks offload
+    in the top-level forward only, so the rest adds nothing there."""
 
     peak: int
     peak_offset: int
     case_peaks: dict[Any, int]
-    host_peak: int
     recompute_cost: float
     recompute_flops: int
     recompute_counts: dict[int, int]

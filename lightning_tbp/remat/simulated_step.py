@@ -316,7 +316,6 @@ class SimulatedStep:
             self.peak, self.peak_step = rest.peak, self.step + rest.peak_offset
         for case, peak in rest.case_peaks.items():
             self.case_peaks[case] = max(self.case_peaks[case], peak)
-        self.host_peak = max(self.host_peak, rest.host_peak)
         self.recompute_cost += rest.recompute_cost
         self.recompute_flops += rest.recompute_flops
         for node, count in rest.recompute_counts.items():
@@ -331,22 +330,21 @@ class SimulatedStep:
 
     def run_rest(self, split: int, loop: LoopModel) -> RestOfStep:
         """Run the rest of the step with its results counted apart (the running ones put aside)."""
-        put_aside = (self.peak, self.peak_step, self.case_peaks, self.host_peak)
+        put_aside = (self.peak, self.peak_step, self.case_peaks)
         cost, flops, counts, start = self.recompute_cost, self.recompute_flops, self.recompute_counts, self.step
-        self.peak, self.host_peak, self.case_peaks = -1, -1, dict.fromkeys(self.cases, -1)
+        self.peak, self.case_peaks = -1, dict.fromkeys(self.cases, -1)
         self.recompute_cost, self.recompute_flops, self.recompute_counts = 0.0, 0, {}
         self.rest_of_step(split, loop)
         rest = RestOfStep(
             peak=self.peak,
             peak_offset=self.peak_step - start,
             case_peaks=self.case_peaks,
-            host_peak=self.host_peak,
             recompute_cost=self.recompute_cost,
             recompute_flops=self.recompute_flops,
             recompute_counts=self.recompute_counts,
             optimizer_offset=self.optimizer_step - start if self.optimizer_step >= 0 else -1,
         )
-        self.peak, self.peak_step, self.case_peaks, self.host_peak = put_aside
+        self.peak, self.peak_step, self.case_peaks = put_aside
         self.recompute_cost, self.recompute_flops, self.recompute_counts = cost, flops, counts
         self.step, self.optimizer_step = start, -1
         return rest

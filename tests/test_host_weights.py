@@ -209,7 +209,7 @@ def streaming_solver():
     from lightning_tbp.remat.solve import Solver
 
     case = _lora_case("flux", batch=1)
-    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)), offload=True)
+    solver = Solver(Simulator(record_trace(case.model, case.args, case.kwargs)), offload=True, stream=True)
     lowest = solver.lowest(-(1 << 40))[1]
     return solver, lowest.peak_bytes
 

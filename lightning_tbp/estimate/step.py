@@ -50,7 +50,7 @@ from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
-from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
+from lightning_tbp.remat.step import LoopModel, PriorGradients, offload_blocker, step_model_for
 from lightning_tbp.remat.trace import Trace
 
 
@@ -294,10 +294,13 @@ def estimate_step(
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
-    if host_tier and step_model.backward_passes > 1:
-        raise ValueError(f"the host tier does not run with the {step_model.name} step (more than one backward pass)")
+    # a step that backpropagates more than once (DP) streams frozen weights but offloads no activations
+    offload = host_tier and offload_blocker(step_model.name, step_model.backward_passes) is None
     solver = Solver(
-        Simulator(trace, step_model, loop=loop), selective=step_model.backward_passes == 1, offload=host_tier
+        Simulator(trace, step_model, loop=loop),
+        selective=step_model.backward_passes == 1,
+        offload=offload,
+        stream=host_tier,
     )
     target_naive = solver.naive().peak_bytes
     # what the kernels allocate beyond their outputs, where it falls in the step (measured here)

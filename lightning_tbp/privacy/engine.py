@@ -619,7 +619,7 @@ class DPEngine:
                     [outputs[i] for i in reached], [self.anchor], [weighted[i] for i in reached], allow_unused=True
                 )
             self._release(*call.inputs, *weighted.values())
-            call.inputs = ()  # the graph's hooks keep ``call`` until the loss is dropped; its tensors go now
+            call.drop()  # the graph's hooks keep ``call`` until the loss is dropped; its tensors go now
             del outputs, weighted, call
 
     def _probe_rows(self, where: str, grads: tuple[Tensor, ...]) -> None:

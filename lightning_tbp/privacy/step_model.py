@@ -76,9 +76,10 @@ class DPPass(BackwardPass):
     """Which transient of the taps the pass pays at each tap's backward: "norm", "sum" or both
     ("norm+sum"); empty for none."""
     replays_checkpoints: bool = False
-    """With ``books_taps``: a fully checkpointed block that no other planned block encloses books
-    nothing; it keeps its inputs and its outputs' gradient until the pass ends, and after the
-    book it runs again, forward and backward, one block at a time (``replay.py``)."""
+    """With ``books_taps``: a fully checkpointed block (or a streamed one, its weights copied in
+    again for the run) that no other planned block encloses books nothing; it keeps its inputs
+    and its outputs' gradient until the pass ends, and after the book it runs again, forward and
+    backward, one block at a time (``replay.py``)."""
 
 
 #: The independence probe: retained, no gradients, on a graph's first step only.
@@ -170,7 +171,9 @@ class TapEffects(StepEffects):
         """Whether this pass runs ``block`` again after its book instead of booking the taps inside:
         its output gradients then stay, with its inputs."""
         step = self.step
-        if not (self._pass().replays_checkpoints and region == 0 and step.options[block] == Option.FULL):
+        if not (
+            self._pass().replays_checkpoints and region == 0 and step.options[block] in (Option.FULL, Option.STREAM)
+        ):
             return False
         if not step.trace.nodes[block].replayable:
             return False

@@ -107,7 +107,8 @@ def _checkpointed_forward(module: nn.Module, wrappers: InstalledWrappers, path: 
         call, tensors = _positional_call(original, args, kwargs, counts)
         if option == Option.STREAM:
             call = with_weights(call, wrappers.weights, module, wrappers.streamed[key])
-        recorder = recorder_for(module) if option == Option.FULL else None
+        # a streamed block is a full checkpoint too: a replay runs ``call``, which copies its weights in again
+        recorder = recorder_for(module) if option in (Option.FULL, Option.STREAM) else None
         recorded = CheckpointedCall.capture(key, call, tensors) if recorder is not None else None
         if recorded is None or recorder is None or not recorder.record_checkpoint(recorded):
             return checkpoint(call, *tensors, use_reentrant=False, preserve_rng_state=True, **extra)

@@ -64,10 +64,10 @@ from lightning_tbp.remat.solve import (
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
     PLAIN_LOOP,
-    PLAIN_STEP,
     Alongside,
     LoopAlternative,
     LoopModel,
+    offload_blocker,
     step_model_for,
 )
 from lightning_tbp.remat.trace import Trace
@@ -146,10 +146,11 @@ class Plan:
         anything else, whenever a new signature is planned; counted in every prediction (and
         added to what the plan's own meter, which starts at the forward, reads). None: nothing.
         ``host_tier``: ``"on"`` lets plans offload blocks' saved activations to host memory
-        (``host_tier.py``), chosen per block by predicted time like recomputation; ``"auto"``
-        only once a budget cannot be met on the device alone (the report says so); ``"off"``
-        keeps every byte on the device. Not with a step whose graph is backpropagated more than
-        once or a DP engine (their saves are read outside autograd's hooks).
+        (``host_tier.py``) and stream their frozen weights from it (``host_weights.py``), chosen
+        per block by predicted time like recomputation; ``"auto"`` only once a budget cannot be
+        met on the device alone (the report says so); ``"off"`` keeps every byte on the device.
+        A step whose graph is backpropagated more than once (a DP engine's, which also probes its
+        first graph) streams weights but offloads no activations: a host copy comes back once.
         ``host_budget_bytes``: the most plans may keep on the host at once (None: a share of the
         host memory available when a plan is made, ``host_tier.default_host_budget``).
         ``max_slowdown``: the most times slower than without a plan a step may be predicted to
@@ -306,17 +307,13 @@ class Plan:
 
     def _solver(self, trace: Trace, loss_bytes: int, alongside: Alongside, loop: LoopModel | None = None) -> Solver:
         loop = self.loop if loop is None else loop
-        offload = self.host_tier == "on" or self._host_tier_used
-        if self.host_tier == "on" and (blocker := self._host_tier_blocker()) is not None:
-            raise ValueError(
-                f"host_tier='on' cannot plan {type(self.module).__name__} here: {blocker}; pass host_tier='off' "
-                "(or 'auto', which uses it only where it can)"
-            )
+        host = self.host_tier == "on" or self._host_tier_used
         host_budget = float("inf")
-        if offload or loop.host_state_bytes:  # the optimizer's state there counts against it too
+        if host or loop.host_state_bytes:  # the optimizer's state there counts against it too
             host_budget = default_host_budget() if self.host_budget_bytes is None else self.host_budget_bytes
         simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside, host_budget)
-        return Solver(simulator, selective=self._selective(), offload=offload)
+        offload = host and self._offload_blocker() is None
+        return Solver(simulator, selective=self._selective(), offload=offload, stream=host)
 
     def set_loop(self, loop: LoopModel) -> None:
         """Plan for another training loop from now on: every shape planned so far is solved
@@ -404,8 +401,6 @@ class Plan:
         except InfeasibleBudgetError as error:
             self._caught_errors = True
             if not self._may_take_host_tier():
-                if self.host_tier == "auto" and not self._host_tier_used:
-                    error.add_note(f"the host tier cannot be used here: {self._host_tier_blocker()}")
                 raise
             solved = self._solve_with_host_tier(profile, correction, error)
         solved.actions = (*self.actions, *self._host_tier_action)
@@ -442,18 +437,14 @@ class Plan:
                     error = still  # its notes say what this one would reach
             raise error from None
 
-    def _host_tier_blocker(self) -> str | None:
-        """Why plans may not offload to the host here (None: they may)."""
+    def _offload_blocker(self) -> str | None:
+        """Why plans may not offload saved activations to the host here (None: they may); they
+        may stream frozen weights in any step."""
         step = step_model_for(self.module)
-        if step is not PLAIN_STEP or self.backward_passes > 1:
-            return (
-                f"the step is {step.name!r} with {max(self.backward_passes, step.backward_passes)} backward "
-                "pass(es), and the host tier offloads saves for a plain single backward only"
-            )
-        return None
+        return offload_blocker(step.name, max(self.backward_passes, step.backward_passes))
 
     def _may_take_host_tier(self) -> bool:
-        return self.host_tier == "auto" and not self._host_tier_used and self._host_tier_blocker() is None
+        return self.host_tier == "auto" and not self._host_tier_used
 
     def _solve_with_host_tier(self, profile: _Profile, correction: float, error: InfeasibleBudgetError) -> ShapePlan:
         device_only, held = profile.solver, profile.held
@@ -465,6 +456,10 @@ class Plan:
             self._host_tier_used = False
             profile.solver = device_only
             if lower.minimum_budget_bytes >= error.minimum_budget_bytes:
+                if (blocker := self._offload_blocker()) is not None:
+                    error.add_note(
+                        f"the host tier reaches no lower here: it may stream frozen weights only ({blocker})"
+                    )
                 raise error from None
             lower.add_note(
                 f"that minimum is with the host tier (host_tier='auto'); on the device alone "
@@ -473,10 +468,15 @@ class Plan:
             raise lower from None
         # against what was held outside the step on the device alone (an alternative it took may hold less)
         shift = 0 if held is None or solved.held is None else held.total - solved.held.total
+        blocker = self._offload_blocker()
+        may = (
+            "stream blocks' frozen weights from host memory" + f" (not offload activations: {blocker})"
+            if blocker is not None
+            else "offload blocks' saved activations to host memory and stream their frozen weights from it"
+        )
         self._host_tier_action = (
             f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes - shift)} is "
-            f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may offload blocks' "
-            "saved activations to host memory and stream their frozen weights from it from now on",
+            f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",
         )
         log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
         return solved

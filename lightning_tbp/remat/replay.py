@@ -76,6 +76,12 @@ class CheckpointedCall:
         versions = tuple(version_counter(t) for t in inputs)
         return cls(name, function, detached, versions, torch.get_rng_state(), get_device_states(*inputs), autocast)
 
+    def drop(self) -> None:
+        """Let go of what running again needs (the inputs, the RNG state): the call will not run
+        again, and the graph's nodes of the layers inside keep it for as long as the graph lives
+        (until the loss is dropped), long after the block's backward."""
+        self.inputs, self.versions, self.cpu_rng, self.device_rng = (), (), torch.empty(0, dtype=torch.uint8), ([], [])
+
     def rerun(self) -> list[torch.Tensor]:
         """Run the block again on its (detached) inputs, so no gradient leaves it, under the recorded RNG
         and autocast state; returns its output tensors, in the order ``output_grads`` uses.
@@ -195,12 +201,14 @@ def watch_outputs(call: CheckpointedCall, outputs: Any, recorder: CheckpointReco
     the block, and the inside's would be counted twice. The alias is read only outside, so its
     gradient is the outside's alone.
 
-    Nothing is watched (and ``outputs`` come back as they are) when two outputs share memory (a
-    view and its base, say): the gradient one sees may then include the other's. The hooks (and
+    Nothing is watched (and ``outputs`` come back as they are, ``call`` dropped) when two
+    outputs share memory (a view and its base, say): the gradient one sees may then include the
+    other's. The hooks (and
     through them ``call`` and its inputs) live as long as the graph does: a forward whose graph
     is dropped without a backward keeps nothing."""
     tensors = output_tensors(outputs)
     if not outputs_replayable(tensors):
+        call.drop()  # its layers book what they need like any other layer's
         return outputs
     aliases = {id(tensor): tensor.view_as(tensor) for tensor in tensors}
     for index, tensor in enumerate(tensors):

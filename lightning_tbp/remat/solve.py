@@ -154,18 +154,24 @@ class Solver:
     """Greedy, simulation-guided search over nested checkpoint plans for one trace."""
 
     def __init__(
-        self, simulator: Simulator, *, selective: bool = True, offload: bool = False, tie_repeats: bool = True
+        self,
+        simulator: Simulator,
+        *,
+        selective: bool = True,
+        offload: bool = False,
+        stream: bool = False,
+        tie_repeats: bool = True,
     ) -> None:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
         checkpoint hands its cached outputs to the first backward only, so a graph that is
         backpropagated twice (DP's ghost and flash modes) cannot use them. ``offload=True`` lets
-        plans offload blocks' saved activations to host memory (``host_tier.py``) and stream
-        blocks' frozen weights from it (``host_weights.py``). ``tie_repeats=False`` searches each
+        plans offload blocks' saved activations to host memory (``host_tier.py``), and
+        ``stream=True`` stream blocks' frozen weights from it (``host_weights.py``). ``tie_repeats=False`` searches each
         call of a repeated block apart however long the chain (the reference the tied search is
         compared with)."""
         self.sim = simulator
         options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
-        self.options = (*options, Option.OFFLOAD, Option.STREAM) if offload else options
+        self.options = (*options, *((Option.OFFLOAD,) if offload else ()), *((Option.STREAM,) if stream else ()))
         self.tree = BlockTree(simulator.trace, simulator.facts.block_weights)
         self.nodes = self.tree.nodes
         self.large = len(self.nodes) > _LARGE_MODEL_NODES  # batched moves, a smaller portfolio, one pruning pass

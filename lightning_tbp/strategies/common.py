@@ -141,8 +141,10 @@ class TinyBackpropMixin:
             either, the optimizer's state and step go to the host too, each parameter stepped
             there inside the backward (:mod:`lightning_tbp.optim.host_state`; needs
             ``optimizer_in_backward`` not ``False``); the plan report says so.
-            ``"on"``: from the first plan; ``"off"``: never. Not with DP or FSDP (``"on"`` is
-            refused there, ``"auto"`` keeps every byte on the device).
+            ``"on"``: from the first plan; ``"off"``: never. Under DP the plan streams frozen
+            weights (a LoRA's base) but offloads no activations (the DP step backpropagates its
+            first graph more than once) and keeps the optimizer's state on the device. Not with
+            FSDP (``"on"`` is refused there, ``"auto"`` keeps every byte on the device).
         host_budget: the most bytes the host tier may hold per process (None: 80% of the host
             memory available at setup, split between the processes of one node).
         optimizer_state_on_host: ``"auto"`` (default): the optimizer's state and step go to the
@@ -189,11 +191,6 @@ class TinyBackpropMixin:
                 f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (the "
                 "weights it gathers for each unit are made inside the step, so the host tier would copy them out "
                 "as activations); use tiny_backprop or tiny_backprop_ddp"
-            )
-        if host_tier == "on" and dp is not None:
-            raise ValueError(
-                f"host_tier='on' cannot be combined with dp={dp!r} yet: the DP engines read the saved "
-                "activations of their layers outside autograd's hooks; pass host_tier='off'"
             )
         self.host_tier: HostTier = host_tier
         if host_budget is not None and (isinstance(host_budget, bool) or host_budget < 0):
@@ -402,7 +399,8 @@ class TinyBackpropMixin:
         return stepping, alternatives
 
     def _may_host(self) -> bool:
-        """Whether plans under this strategy may use the host tier at all."""
+        """Whether plans under this strategy may keep the optimizer's state on the host (not
+        under DP yet: the host step is not wired to the engine's noised, clipped gradients)."""
         return self.host_tier != "off" and self.host_tier_supported and self.privacy is None
 
     def _host_state_cost(self) -> tuple[int, float, float]:

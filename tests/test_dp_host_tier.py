@@ -1,0 +1,149 @@
+"""DP with the host tier: a LoRA's frozen base streamed from host memory under every DP mode.
+
+A DP step backpropagates its graph more than once (ghost and flash twice; every mode probes a
+graph's first step with retained passes), so its plans offload no activations, but streaming
+frozen weights is a checkpoint, which any step runs: under bookkeeping a streamed block is
+replayed after the book like a full checkpoint, its weights copied in once more. On this CPU the
+host is memory the exact meter does not count, so peaks are device-resident ones, compared as
+device levels (``ShapePlan.ratio``). Gradients are checked against the unplanned DP step:
+the clipped sums are formed in another order where blocks are replayed.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_host_weights import _lora_case, _lowest
+from test_loop_truth import _fit
+from test_plan_fidelity import _measured
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
+from lightning_tbp.privacy import attach
+from lightning_tbp.remat.options import Option
+from lightning_tbp.testing.zoo_lightning import ZooModule
+from lightning_tbp.testing.zoo_models import sample
+
+TOLERANCE = 0.05
+
+
+def _private_case(name: str, mode: str):
+    """A LoRA model of the zoo with an engine attached (clipping every sample: a small bound),
+    its adapters' B drawn away from zero so that every adapter has a gradient, and its DP step."""
+    case = _lora_case(name, batch=4)
+    model = case.model.eval()  # no dropout: the per-sample loss must not depend on the batch
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for path, param in model.named_parameters():
+            if "lora_B" in path:
+                param.normal_(std=0.1)
+    engine = attach(model, mode=mode, max_grad_norm=0.01, noise_multiplier=0.0)
+
+    def step() -> None:
+        engine.probe_next_step()  # every measured step probes, as the step a plan is made for does
+        out = sample(model(*case.args, **case.kwargs))
+        engine.backward((out.float() - case.target).square().flatten(1).mean(dim=1))
+
+    return case, engine, step
+
+
+def _gradients(model: torch.nn.Module, step) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    step()
+    found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def _assert_a_dp_step_streams_and_keeps_its_word(name: str, mode: str) -> None:
+    """At the lowest budget with the host tier (below the lowest without it) the DP step streams
+    frozen weights and offloads nothing; it holds the budget and the prediction (device levels,
+    within 5%) with the unplanned DP step's clipped gradients."""
+    case, engine, step = _private_case(name, mode)
+    plan = None
+    try:
+        reference = _gradients(case.model, step)
+        without, with_host = _lowest(case, "off"), _lowest(case, "on")
+        assert with_host < without, (with_host, without)
+        # where a plan gets to zero, half the device-only minimum (a margin of 1 byte is none)
+        budget = with_host if with_host > 1 else without // 2
+        plan = rematerialize(case.model, *case.args, memory_budget=budget, host_tier="on", **case.kwargs)
+        shape_plan = plan.current
+        options = set(shape_plan.options.values())
+        assert Option.STREAM in options and Option.OFFLOAD not in options, options
+        measured = _measured(case.model, step) - plan.streamed_bytes
+        said = (measured, shape_plan.predicted_peak_bytes, shape_plan.budget_bytes, plan.report())
+        assert measured <= shape_plan.budget_bytes, said
+        assert abs(shape_plan.ratio(measured, shape_plan.predicted_peak_bytes) - 1) <= TOLERANCE, said
+        planned = _gradients(case.model, step)
+        assert planned.keys() == reference.keys()
+        for path, grad in reference.items():
+            torch.testing.assert_close(planned[path], grad, rtol=1e-5, atol=1e-6 * grad.abs().max().item())
+    finally:
+        if plan is not None:
+            plan.remove()
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+def test_a_dp_lora_step_streams_its_base_below_what_recomputation_reaches(mode: str) -> None:
+    """(Under bookkeeping, Flux's single-stream blocks return two views of one tensor, so they
+    are not replayed: their recorded calls once kept the blocks' inputs as long as the graph
+    lived, 10% over the prediction, until an unreplayable call let go of them.)"""
+    _assert_a_dp_step_streams_and_keeps_its_word("flux", mode)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [("sd3", "flash"), ("unet2d", "flash_bookkeeping"), ("dit", "bookkeeping"), ("sdxl_unet", "ghost")],
+)
+def test_more_dp_lora_steps_stream_their_base_and_keep_their_word(name: str, mode: str) -> None:
+    _assert_a_dp_step_streams_and_keeps_its_word(name, mode)
+
+
+@pytest.mark.slow
+def test_a_dp_lora_fit_below_the_device_only_minimum_streams_its_base() -> None:
+    """A whole DP fit (bookkeeping, Poisson batches, noise) of a Flux-style LoRA under a device
+    budget below what the device alone reaches: the host tier is taken by default, streaming
+    only, every metered step (the first three included) is within the budget, and the adapters
+    end where the unplanned DP run's do (the same noise)."""
+    batch = 4
+
+    def module() -> ZooModule:
+        torch.manual_seed(0)
+        found = ZooModule("flux", batch=batch, lora_rank=4)
+        with torch.no_grad():
+            for path, param in found.named_parameters():
+                if "lora_B" in path:
+                    param.normal_(std=0.1)
+        return found
+
+    rows = [row.repeat_interleave(4, 0) for row in module().rows]
+    loader = DataLoader(TensorDataset(*rows), batch_size=batch)
+
+    def strategy(budget: float, host_tier: str) -> TinyBackpropStrategy:
+        return TinyBackpropStrategy(
+            memory_budget=budget, host_tier=host_tier, dp="bookkeeping", noise_multiplier=1.0, max_grad_norm=0.01
+        )
+
+    def least_device_bytes(host_tier: str) -> int:
+        with pytest.raises(InfeasibleBudgetError) as error:
+            _fit(module(), loader, strategy(1 << 10, host_tier), max_steps=1)
+        assert error.value.minimum_device_bytes is not None
+        return error.value.minimum_device_bytes
+
+    without, with_host = least_device_bytes("off"), least_device_bytes("auto")
+    assert with_host < without
+    run = _fit(module(), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
+    plan = run["plan"]
+    options = set(plan.options.values())
+    assert Option.STREAM in options and Option.OFFLOAD not in options and plan.streamed_bytes > 0
+    assert "stream blocks' frozen weights" in " ".join(plan.actions) and "not offload" in " ".join(plan.actions)
+    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
+    for step in run["loop_steps"]:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step  # batches up to the ceiling
+    unplanned = _fit(module(), loader, strategy(1.0, "off"), max_steps=4)["module"]
+    for (path, a), b in zip(run["module"].named_parameters(), unplanned.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)

@@ -1,4 +1,5 @@
-"""DP with the host tier: a LoRA's frozen base streamed from host memory under every DP mode.
+"""DP with the host tier: a LoRA's frozen base streamed from host memory under every DP mode,
+and a full fine-tune's optimizer state and step on the host.
 
 A DP step backpropagates its graph more than once (ghost and flash twice; every mode probes a
 graph's first step with retained passes), so its plans offload no activations, but streaming
@@ -146,4 +147,41 @@ def test_a_dp_lora_fit_below_the_device_only_minimum_streams_its_base() -> None:
         assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step  # batches up to the ceiling
     unplanned = _fit(module(), loader, strategy(1.0, "off"), max_steps=4)["module"]
     for (path, a), b in zip(run["module"].named_parameters(), unplanned.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+def test_a_dp_full_fine_tune_below_the_device_only_minimum_keeps_its_state_on_the_host() -> None:
+    """A whole DP fit (bookkeeping, Poisson batches, noise) of a DiT full fine-tune under a device
+    budget below what the device alone reaches with the optimizer inside the backward: the
+    optimizer's state and step go to the host by default, every metered step is within the
+    budget, and the weights end where the same run with the state on the device ends."""
+    batch = 2
+    rows = [row.repeat_interleave(4, 0) for row in ZooModule("dit", batch=batch).rows]
+    loader = DataLoader(TensorDataset(*rows), batch_size=batch)
+
+    def strategy(budget: float, host_tier: str) -> TinyBackpropStrategy:
+        return TinyBackpropStrategy(memory_budget=budget, host_tier=host_tier, dp="bookkeeping", noise_multiplier=1.0)
+
+    def least_device_bytes(host_tier: str) -> int:
+        with pytest.raises(InfeasibleBudgetError) as error:
+            _fit(ZooModule("dit", batch=batch), loader, strategy(1 << 10, host_tier), max_steps=1)
+        assert error.value.minimum_device_bytes is not None
+        return error.value.minimum_device_bytes
+
+    without, with_host = least_device_bytes("off"), least_device_bytes("auto")
+    state = 2 * sum(p.numel() * p.element_size() for p in ZooModule("dit", batch=batch).parameters())
+    assert with_host <= without - state // 2, (with_host, without)
+    run = _fit(ZooModule("dit", batch=batch), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
+    plan = run["plan"]
+    assert plan.loop.host_state_bytes >= state and plan.loop.step_in_backward
+    assert any("the optimizer's state and step on the host" in action for action in plan.actions)
+    assert Option.STREAM not in plan.options.values()  # a full fine-tune has no frozen weights to stream
+    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
+    for step in run["loop_steps"]:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step
+    on_device = _fit(ZooModule("dit", batch=batch), loader, strategy(without, "off"), max_steps=4)["module"]
+    for (path, a), b in zip(run["module"].named_parameters(), on_device.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)

@@ -18,6 +18,7 @@ from test_dp_strategy import Regressor, fit
 
 from lightning_tbp import TinyBackpropStrategy
 from lightning_tbp.optim import in_backward
+from lightning_tbp.optim.host_state import HostOptimizerState
 from lightning_tbp.privacy import MODES
 from lightning_tbp.remat.options import Option
 from lightning_tbp.strategies.step_in_backward import blockers
@@ -29,11 +30,17 @@ class AdamRegressor(Regressor):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _run(module_class: type, tmp_path, in_backward_: bool, noise: float, mode: str, **kwargs) -> tuple:  # type: ignore[no-untyped-def]
+def _run(  # type: ignore[no-untyped-def]
+    module_class: type, tmp_path, in_backward_: bool, noise: float, mode: str, on_host: bool = False, **kwargs
+) -> tuple:
     torch.manual_seed(5)
     module = module_class()
     strategy = TinyBackpropStrategy(
-        memory_budget=None, dp=mode, noise_multiplier=noise, optimizer_in_backward=in_backward_
+        memory_budget=None,
+        dp=mode,
+        noise_multiplier=noise,
+        optimizer_in_backward=in_backward_,
+        optimizer_state_on_host=on_host,
     )
     fit(module, strategy, tmp_path, max_steps=3, **kwargs)
     assert strategy.privacy is not None
@@ -50,6 +57,30 @@ def test_the_fused_dp_step_leaves_the_ordinary_dp_steps_weights_bitwise(
     for a, b in zip(ordinary, fused, strict=True):
         assert torch.equal(a, b)
     assert fused_epsilon == epsilon
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_with_the_state_on_the_host_the_dp_step_leaves_the_same_weights_bitwise(
+    mode: str, tmp_path, monkeypatch
+) -> None:
+    """The optimizer's state and step on the host (each parameter stepped there as its noised,
+    clipped sum completes): the ordinary DP step's weights and epsilon, noise and accumulation
+    included, and every parameter of every step stepped on the host."""
+    steps = collections.Counter()
+    stepping = HostOptimizerState.step
+
+    def counted(self: HostOptimizerState, param: torch.Tensor, group_index: int) -> None:
+        steps[id(param)] += 1
+        stepping(self, param, group_index)
+
+    monkeypatch.setattr(HostOptimizerState, "step", counted)
+    ordinary, epsilon = _run(AdamRegressor, tmp_path, False, 1.0, mode, accumulate_grad_batches=2)
+    assert not steps
+    hosted, hosted_epsilon = _run(AdamRegressor, tmp_path, True, 1.0, mode, True, accumulate_grad_batches=2)
+    assert sorted(steps.values()) == [3] * len(ordinary)  # max_steps=3
+    for a, b in zip(ordinary, hosted, strict=True):
+        assert torch.equal(a, b)
+    assert hosted_epsilon == epsilon
 
 
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])

@@ -208,7 +208,6 @@ def test_the_state_on_the_host_from_the_start_is_an_option_refused_by_name_where
     for options, named in (
         ({"optimizer_in_backward": False}, "optimizer_in_backward=False"),
         ({"host_tier": "off"}, "host_tier='off'"),
-        ({"dp": "ghost", "noise_multiplier": 1.0}, "dp='ghost'"),
     ):
         with pytest.raises(ValueError, match=named):
             TinyBackpropStrategy(optimizer_state_on_host=True, **options)

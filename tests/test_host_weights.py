@@ -226,3 +226,20 @@ def test_a_solved_plan_peaks_under_its_target_wherever_the_budget_lies(streaming
     budget = int(budget_for_peak(lowest) + where * (solver.naive().peak_bytes - budget_for_peak(lowest)))
     solution = solver.solve(budget)
     assert solution.result.peak_bytes <= planning_target(budget) <= budget
+
+
+def test_no_plan_streams_a_block_without_frozen_weights() -> None:
+    """A streamed block with nothing to stream is a full checkpoint by another name (under
+    bookkeeping it would even be replayed as one, and the report would count it as streaming):
+    no search offers it, not even where streaming is priced below a full checkpoint."""
+    from lightning_tbp.remat.record import record_trace
+    from lightning_tbp.remat.simulate import Simulator
+    from lightning_tbp.remat.solve import Solver, budget_for_peak
+
+    case = ZOO["dit"].case(batch=2)  # a full fine-tune: every weight trains
+    trace = record_trace(case.model, case.args, case.kwargs)
+    trace.option_scale[Option.STREAM] = 0.5
+    solver = Solver(Simulator(trace), stream=True)  # recomputation's plans (offloading is cheaper here)
+    lowest = budget_for_peak(solver.lowest(0)[1].peak_bytes)
+    for budget in (lowest, (lowest + solver.naive().peak_bytes) // 2):
+        assert Option.STREAM not in solver.solve(budget).options

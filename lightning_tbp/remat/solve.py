@@ -390,11 +390,15 @@ class Solver:
             plain_below = not self.subtree_planned(i, options)
             following = next_options(options[i], checkpointed_above=checkpointed_above, plain_below=plain_below)
             moves += [(i, option) for option in following]
-        return [
-            (index, option)
-            for index, option in moves
-            if option in self.options and (option != Option.STREAM or self.tree.stream_bytes[index])
-        ]
+        return [(index, option) for index, option in moves if self._offers(index, option)]
+
+    def _offers(self, index: int, option: Option) -> bool:
+        """Whether plans may give block ``index`` ``option``: one this solver allows, and streaming
+        only where the block has frozen weights to stream (else it is a full checkpoint by another name)."""
+        return option in self.options and (option != Option.STREAM or bool(self.tree.stream_bytes[index]))
+
+    def _soft_options(self, index: int) -> list[Option]:
+        return [option for option in SOFT if self._offers(index, option)]
 
     def subtree_planned(self, index: int, options: list[Option]) -> bool:
         return any(options[j] != Option.KEEP for j in range(index + 1, self.subtree_end[index]))
@@ -598,7 +602,7 @@ class Solver:
         def others(index: int, options: list[Option]) -> list[Option]:
             choices = [Option.KEEP, Option.FULL]
             if self._outermost(index, options):
-                choices += [option for option in SOFT if option in self.options]
+                choices += self._soft_options(index)
             return [option for option in choices if option != options[index]]
 
         return self._sweep(options, result, budget_bytes, others, cheapest=True)
@@ -610,7 +614,7 @@ class Solver:
 
         def softer(index: int, options: list[Option]) -> list[Option]:
             if options[index] == Option.FULL and self._outermost(index, options):
-                return [Option.KEEP, *(option for option in SOFT if option in self.options)]
+                return [Option.KEEP, *self._soft_options(index)]
             return [Option.KEEP]
 
         return self._sweep(options, result, budget_bytes, softer, cheapest=False, only=only)

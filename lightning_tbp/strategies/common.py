@@ -142,8 +142,8 @@ class TinyBackpropMixin:
             there inside the backward (:mod:`lightning_tbp.optim.host_state`; needs
             ``optimizer_in_backward`` not ``False``); the plan report says so.
             ``"on"``: from the first plan; ``"off"``: never. Under DP the plan streams frozen
-            weights (a LoRA's base) but offloads no activations (the DP step backpropagates its
-            first graph more than once) and keeps the optimizer's state on the device. Not with
+            weights (a LoRA's base) and keeps the optimizer's state on the host, but offloads no
+            activations (the DP step backpropagates its first graph more than once). Not with
             FSDP (``"on"`` is refused there, ``"auto"`` keeps every byte on the device).
         host_budget: the most bytes the host tier may hold per process (None: 80% of the host
             memory available at setup, split between the processes of one node).
@@ -151,7 +151,7 @@ class TinyBackpropMixin:
             host where the host tier (above) needs them; ``True``: from the first step, each
             parameter stepped there inside the backward, with or without a plan (what torchao's
             ``CPUOffloadOptimizer`` does, with the user's own optimizer; refused where the step
-            cannot be inside the backward or with ``host_tier="off"``, DP or FSDP); ``False``:
+            cannot be inside the backward or with ``host_tier="off"`` or FSDP); ``False``:
             never.
         max_slowdown: the most times slower than without a plan a step may be predicted to run
             (recomputation, host copies, the optimizer's step on the host; default 10): a budget
@@ -204,7 +204,6 @@ class TinyBackpropMixin:
             conflicts = {
                 "optimizer_in_backward=False": optimizer_in_backward is False,
                 "host_tier='off'": host_tier == "off",
-                f"dp={dp!r}": dp is not None,
                 f"{getattr(self, 'strategy_name', type(self).__name__)}": not self.host_tier_supported,
             }
             named = [name for name, conflict in conflicts.items() if conflict]
@@ -399,9 +398,8 @@ class TinyBackpropMixin:
         return stepping, alternatives
 
     def _may_host(self) -> bool:
-        """Whether plans under this strategy may keep the optimizer's state on the host (not
-        under DP yet: the host step is not wired to the engine's noised, clipped gradients)."""
-        return self.host_tier != "off" and self.host_tier_supported and self.privacy is None
+        """Whether plans under this strategy may keep the optimizer's state on the host."""
+        return self.host_tier != "off" and self.host_tier_supported
 
     def _host_state_cost(self) -> tuple[int, float, float]:
         """What the optimizer's state on the host keeps there (a copy of each trainable weight,

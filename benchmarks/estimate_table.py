@@ -3,7 +3,7 @@
 Each setup builds a diffusers model at its real size from its published configuration (no
 weights, no hub), a batch of its real shapes and its optimizer (AdamW, or torchao's 8-bit
 AdamW), under fake tensors, with the optimizer stepped after the backward or each parameter
-inside it (``in_backward``); the estimate gives the naive device peak and the smallest device a
+inside it (``in_backward``), or DP-SGD's step (``dp``); the estimate gives the naive device peak and the smallest device a
 plan reaches, so whether it fits 12/16/24/40/80 GiB as is, with a plan, or not at all. Every
 setup runs in this one process, one after the other; the script reports each estimate's wall
 time and the process's peak resident memory (what an estimate costs this machine).
@@ -29,6 +29,7 @@ from lightning_tbp.diffusion.lora import LoraOptions, add_lora
 from lightning_tbp.diffusion.quantized_base import quantize_base
 from lightning_tbp.estimate import CUDA, TrainingStep, estimate_dict, estimate_step
 from lightning_tbp.optim.choice import make_optimizer
+from lightning_tbp.privacy import attach
 from lightning_tbp.remat.budget import format_bytes
 
 GiB = 1024**3
@@ -139,6 +140,11 @@ SETUPS: dict[str, dict] = {
         model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", **STATE_ON_HOST
     ),
     # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
+    # DP-SGD (bookkeeping) on the adapters: the book holds each adapter's input to the backward's end
+    "flux_lora_1024_b4_dp_bookkeeping": dict(model=flux, latent=128, batch=4, kind="flux", lora=16, dp="bookkeeping"),
+    "flux_lora_1024_b4_dp_bookkeeping_host_tier": dict(
+        model=flux, latent=128, batch=4, kind="flux", lora=16, dp="bookkeeping", host_tier=True
+    ),
     "wan14b_lora_480p_81f_b1_host_tier": dict(
         model=wan_14b, latent=(21, 60, 104), batch=1, kind="wan", lora=16, host_tier=True
     ),
@@ -166,6 +172,7 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
         batch: dict[str, torch.Tensor] = {"latents": latents}
         if "text" in setup:
             batch["text"] = torch.zeros(n, *setup["text"])
+        engine = attach(model, setup["dp"], max_grad_norm=1.0, noise_multiplier=1.0) if "dp" in setup else None
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = make_optimizer(setup.get("optimizer", "adamw"), trainable, lr=1e-5, weight_decay=0.01)
 
@@ -195,6 +202,10 @@ def build_for(setup: dict) -> Callable[[], TrainingStep]:
         def forward_backward() -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 prediction = predict()
+            if engine is not None:  # each sample's loss, clipped and noised by the engine
+                per_sample = prediction.float().square().flatten(1).mean(1)
+                engine.backward(per_sample)
+                return per_sample
             loss = F.mse_loss(prediction.float(), torch.zeros_like(prediction, dtype=torch.float32))
             loss.backward()
             return loss
@@ -236,6 +247,7 @@ def main() -> None:
             "base_quantization": setup.get("base"),
             "host_tier": setup.get("host_tier", False),
             "state_on_host": setup.get("state_on_host", False),
+            "dp": setup.get("dp"),
             **estimate_dict(estimate),
             "fits_by_device": fits,
             "wall_seconds": time.perf_counter() - started,

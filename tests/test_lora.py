@@ -70,6 +70,30 @@ def test_the_lora_recipe_trains_only_the_adapters(strategy, pretrained, images, 
         assert trainer.strategy.privacy.accountant.steps == 2
 
 
+def test_a_lora_ema_averages_the_adapters_alone_and_samples_and_exports_them(pretrained, images, tmp_path) -> None:
+    """Under LoRA the EMA keeps a copy of the adapters, not of the frozen base; sampling and the
+    export use the averaged adapters, and the trained ones are back in the model after each."""
+    cli = _fit_recipe(
+        pretrained, images, tmp_path, "--trainer.strategy.memory_budget=null", "--model.init_args.ema_decay=0.5"
+    )
+    module = cli.model
+    trainable = {n.replace(".", "__"): p for n, p in module.model.named_parameters() if p.requires_grad}
+    averaged = dict(module.ema.module.named_parameters())
+    assert averaged.keys() == trainable.keys() and int(module.ema.n_averaged) == 2
+    assert any(not torch.equal(averaged[n], trainable[n]) for n in trainable)  # an average, not the last weights
+    trained = {n: p.detach().clone() for n, p in trainable.items()}
+    with module.inference_model() as model:
+        assert model is module.model
+        assert all(torch.equal(p, averaged[n]) for n, p in trainable.items())
+    assert all(torch.equal(p, trained[n]) for n, p in trainable.items())
+    module.sample(1, steps=1)
+    assert all(torch.equal(p, trained[n]) for n, p in trainable.items())
+    exported = load_lora(UNet2DModel.from_pretrained(pretrained), module.exported_to)
+    for name, param in exported.named_parameters():
+        if "lora_" in name:
+            torch.testing.assert_close(param, averaged[name.replace(".", "__")], msg=name)
+
+
 def test_lora_adapters_reload_into_a_ddpm_pipeline_with_the_same_samples(pretrained, images, tmp_path) -> None:
     cli = _fit_recipe(pretrained, images, tmp_path, "--trainer.strategy.memory_budget=null")
     trained = cli.model.model.eval()

@@ -9,6 +9,8 @@ the (EMA) model with ``save_pretrained`` so a diffusers pipeline loads it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +33,17 @@ from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.strategies.privacy import wants_per_sample_loss
 
 
+class TrainableWeights(nn.Module):
+    """The trainable parameters of ``model`` (the same tensors), under their names with ``__`` for
+    dots: what an EMA of a LoRA fine-tune averages, without a copy of the frozen base."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                self.register_parameter(name.replace(".", "__"), param)
+
+
 class DiffusionModule(L.LightningModule):
     """Train a diffusers denoiser on batches of ``{"images", "labels", ["encoder_hidden_states"]}``.
 
@@ -46,7 +59,8 @@ class DiffusionModule(L.LightningModule):
         optimizer: ``"adamw"``; ``"adamw8bit"``/``"adamw4bit"`` (torchao's low-bit state, about
             a quarter/eighth of AdamW's for large tensors; changes the numerics: your choice,
             counted by the plan as it is); ``"adafactor"`` (factored second moments).
-        ema_decay: keep an exponential moving average of the weights (sampled and exported).
+        ema_decay: keep an exponential moving average of the weights (sampled and exported);
+            under LoRA of the adapters only.
         sample_images, sample_steps, sampler, guidance_scale: the grid drawn after each
             validation (0 images: none); guidance applies to DiT labels.
         export, export_dir: write the model with ``save_pretrained`` at the end of fit, to
@@ -61,7 +75,7 @@ class DiffusionModule(L.LightningModule):
         base_quantization: with ``lora_rank``, store the frozen base's ``Linear`` weights as
             ``"int8"`` (torchao weight-only int8) or ``"nf4"`` (QLoRA's 4-bit NormalFloat):
             about a half or a quarter of their bytes. Changes the numerics (the adapters learn on
-            the quantized base): your choice, counted by the plan as it is. Not with ``ema_decay``.
+            the quantized base): your choice, counted by the plan as it is.
     """
 
     def __init__(
@@ -105,11 +119,6 @@ class DiffusionModule(L.LightningModule):
                     "base_quantization quantizes a frozen base, so it needs lora_rank (a full fine-tune trains every "
                     "weight in full precision)"
                 )
-            if ema_decay is not None:
-                raise ValueError(
-                    "ema_decay with base_quantization is not supported: the average would copy the whole quantized "
-                    "base; train without ema_decay"
-                )
             rank_zero_info(f"DiffusionModule: {quantize_base(self.model, base_quantization).describe()}")
         if lora_rank is not None:
             self.lora = lora_options(lora_rank, lora_alpha, lora_target_modules, lora_dropout)
@@ -126,8 +135,10 @@ class DiffusionModule(L.LightningModule):
         )
         self.ema: AveragedModel | None = None
         if ema_decay is not None:
-            # Copied now, before a tiny_backprop plan wraps the model's blocks at the first batch.
-            self.ema = AveragedModel(self.model, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
+            # Copied now, before a tiny_backprop plan wraps the model's blocks at the first batch;
+            # under LoRA the adapters alone (a copy of the frozen base would average a constant)
+            averaged = self.model if self.lora is None else TrainableWeights(self.model)
+            self.ema = AveragedModel(averaged, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
             self.ema.requires_grad_(False)
         self.flops_per_batch: int | None = None
         self.last_sample_grid: Path | None = None
@@ -170,7 +181,7 @@ class DiffusionModule(L.LightningModule):
         # Here, not at batch end: callbacks (ModelCheckpoint) see the batch end first, and a
         # checkpoint must hold the EMA of the weights it holds. Once per optimizer step.
         if self.ema is not None:
-            self.ema.update_parameters(self.model)
+            self.ema.update_parameters(self.model if self.lora is None else TrainableWeights(self.model))
 
     def _measure_flops(self, batch: dict[str, Any]) -> int:
         """Model FLOPs of one training step (forward + backward) on a meta-device copy: no memory, no time."""
@@ -204,14 +215,32 @@ class DiffusionModule(L.LightningModule):
         self.log("val/loss", loss, prog_bar=True)
         return loss
 
-    @property
-    def inference_model(self) -> nn.Module:
-        """The EMA weights when kept, else the trained ones."""
-        return self.ema.module if self.ema is not None else self.model
+    @contextlib.contextmanager
+    def inference_model(self) -> Iterator[nn.Module]:
+        """The model to sample and export: the EMA weights when kept, else the trained ones.
+        Under LoRA the averaged adapters are copied into the model for the block, and the
+        trained ones back after it."""
+        if self.ema is None or self.lora is None:
+            yield self.ema.module if self.ema is not None else self.model
+            return
+        live = dict(TrainableWeights(self.model).named_parameters())
+        trained = {name: param.detach().clone() for name, param in live.items()}
+        with torch.no_grad():
+            for name, averaged in self.ema.module.named_parameters():
+                live[name].copy_(averaged)
+        try:
+            yield self.model
+        finally:
+            with torch.no_grad():
+                for name, param in live.items():
+                    param.copy_(trained[name])
 
     def sample(self, n: int, steps: int | None = None, seed: int = 0) -> torch.Tensor:
         """``n`` images in [-1, 1] from the (EMA) model."""
-        model = self.inference_model
+        with self.inference_model() as model:
+            return self._sample(model, n, steps, seed)
+
+    def _sample(self, model: nn.Module, n: int, steps: int | None, seed: int) -> torch.Tensor:
         size, channels = sample_size(model), sample_input_channels(model)
         conditioning, null = self._conditioning_for(n)
         generator = torch.Generator().manual_seed(seed)
@@ -230,7 +259,7 @@ class DiffusionModule(L.LightningModule):
 
     def _conditioning_for(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
         if self.family.name == "dit":
-            classes = int(self.inference_model.config.num_embeds_ada_norm)
+            classes = int(self.model.config.num_embeds_ada_norm)
             labels = torch.arange(n, device=self.device) % classes
             return {"labels": labels}, {"labels": torch.full_like(labels, classes)}
         if self.family.name == "unet2d_condition":
@@ -272,14 +301,14 @@ class DiffusionModule(L.LightningModule):
         the base weights are the pretrained folder's.
         """
         directory = Path(directory)
-        model = self.inference_model
-        if self.lora is not None:
-            save_lora(model, directory)
-        elif self.family.name == "unet2d":
-            DDPMPipeline(unet=model, scheduler=self.noise_scheduler).save_pretrained(directory)
-        else:
-            model.save_pretrained(directory / self.family.pipeline_subfolder)
-            self.noise_scheduler.save_pretrained(directory / "scheduler")
+        with self.inference_model() as model:
+            if self.lora is not None:
+                save_lora(model, directory)
+            elif self.family.name == "unet2d":
+                DDPMPipeline(unet=model, scheduler=self.noise_scheduler).save_pretrained(directory)
+            else:
+                model.save_pretrained(directory / self.family.pipeline_subfolder)
+                self.noise_scheduler.save_pretrained(directory / "scheduler")
         return directory
 
     def _output_root(self) -> str:

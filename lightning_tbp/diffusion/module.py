@@ -137,8 +137,9 @@ class DiffusionModule(L.LightningModule):
         if ema_decay is not None:
             # Copied now, before a tiny_backprop plan wraps the model's blocks at the first batch;
             # under LoRA the adapters alone (a copy of the frozen base would average a constant)
-            averaged = self.model if self.lora is None else TrainableWeights(self.model)
-            self.ema = AveragedModel(averaged, multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True)
+            self.ema = AveragedModel(
+                self._averaged_weights(), multi_avg_fn=get_ema_multi_avg_fn(ema_decay), use_buffers=True
+            )
             self.ema.requires_grad_(False)
         self.flops_per_batch: int | None = None
         self.last_sample_grid: Path | None = None
@@ -181,7 +182,11 @@ class DiffusionModule(L.LightningModule):
         # Here, not at batch end: callbacks (ModelCheckpoint) see the batch end first, and a
         # checkpoint must hold the EMA of the weights it holds. Once per optimizer step.
         if self.ema is not None:
-            self.ema.update_parameters(self.model if self.lora is None else TrainableWeights(self.model))
+            self.ema.update_parameters(self._averaged_weights())
+
+    def _averaged_weights(self) -> nn.Module:
+        """What the EMA averages: the model, or under LoRA its adapters alone."""
+        return self.model if self.lora is None else TrainableWeights(self.model)
 
     def _measure_flops(self, batch: dict[str, Any]) -> int:
         """Model FLOPs of one training step (forward + backward) on a meta-device copy: no memory, no time."""
@@ -223,7 +228,7 @@ class DiffusionModule(L.LightningModule):
         if self.ema is None or self.lora is None:
             yield self.ema.module if self.ema is not None else self.model
             return
-        live = dict(TrainableWeights(self.model).named_parameters())
+        live = dict(self._averaged_weights().named_parameters())
         trained = {name: param.detach().clone() for name, param in live.items()}
         with torch.no_grad():
             for name, averaged in self.ema.module.named_parameters():

@@ -107,14 +107,12 @@ def estimate_config(
         modes.append((mode, blocked))
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_modes.append(host_mode if getattr(trainer.strategy, "host_tier_supported", False) else "off")
-        private.append(privacy is not None)
         state_modes.append(getattr(trainer.strategy, "optimizer_state_on_host", "auto"))
         return step
 
     mixed: list[bool] = []
     modes: list[tuple[bool | str, list[str]]] = []
     host_modes: list[str] = []
-    private: list[bool] = []  # under DP the host tier streams frozen weights only, the state stays
     state_modes: list[bool | str] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
     mode, blocked = modes[0]
@@ -148,7 +146,7 @@ def estimate_config(
     if host_mode == "on" or (host_mode == "auto" and still_out):
         # what the planner would take on top: saved activations offloaded to host memory and
         # frozen weights streamed from it, and after that the optimizer's state and step there
-        for state_on_host in (False, True) if fused and state_mode == "auto" and not private[0] else (False,):
+        for state_on_host in (False, True) if fused and state_mode == "auto" else (False,):
             estimate.with_host_tier = estimate_step(
                 build,
                 device=device,

@@ -140,6 +140,17 @@ SETUPS: dict[str, dict] = {
     "sd15_full_512_b4_state_on_host": dict(
         model=sd15_unet, latent=64, batch=4, text=(77, 768), kind="unet", **STATE_ON_HOST
     ),
+    # trained in bf16 (precision="bf16-true") with float32 masters and AdamW state on the host
+    "sdxl_full_1024_b1_bf16_fp32_masters": dict(
+        model=sdxl_unet,
+        latent=128,
+        batch=1,
+        text=(77, 2048),
+        kind="sdxl",
+        weights="bf16",
+        masters=True,
+        **STATE_ON_HOST,
+    ),
     # 480x832, 81 frames: 21 latent frames of 60x104 (the VAE compresses 4x in time, 8x in space)
     # DP-SGD (bookkeeping) on the adapters: the book holds each adapter's input to the backward's end
     "flux_lora_1024_b4_dp_bookkeeping": dict(model=flux, latent=128, batch=4, kind="flux", lora=16, dp="bookkeeping"),
@@ -152,18 +163,27 @@ SETUPS: dict[str, dict] = {
 }
 
 
+def made_in_bf16(make: Callable[[], nn.Module], base: str | None = None) -> nn.Module:
+    """The model made in bf16 (fake tensors cannot be cast in place); ``base``: quantized as
+    ``DiffusionModule(base_quantization=)`` does, before any adapters."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = make()
+        if base is not None:
+            quantize_base(model, base)
+        return model
+    finally:
+        torch.set_default_dtype(default)
+
+
 def build_for(setup: dict) -> Callable[[], TrainingStep]:
     def build() -> TrainingStep:
         lora = setup.get("lora")
-        if lora:  # frozen base weights in bf16, adapters in fp32 (the usual LoRA recipe)
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(torch.bfloat16)  # made in bf16: fake tensors cannot be cast in place
-            try:
-                model = setup["model"]()
-                if "base" in setup:  # quantized as DiffusionModule(base_quantization=) does, before the adapters
-                    quantize_base(model, setup["base"])
-            finally:
-                torch.set_default_dtype(default)
+        if setup.get("weights") == "bf16":  # every weight in bf16, trainable ones included
+            model = made_in_bf16(setup["model"])
+        elif lora:  # frozen base weights in bf16, adapters in fp32 (the usual LoRA recipe)
+            model = made_in_bf16(setup["model"], setup.get("base"))
             add_lora(model, LoraOptions(lora, target_modules=("to_q", "to_k", "to_v", "to_out.0")))
         else:
             model = setup["model"]()
@@ -233,6 +253,7 @@ def main() -> None:
             step_in_backward=setup.get("in_backward", False),
             host_tier=setup.get("host_tier", False),
             state_on_host=setup.get("state_on_host", False),
+            master_dtype=torch.float32 if setup.get("masters") else None,
         )
         # the smallest device with a plan bounds every larger one: it fits there with a plan too
         fits = {
@@ -248,6 +269,7 @@ def main() -> None:
             "base_quantization": setup.get("base"),
             "host_tier": setup.get("host_tier", False),
             "state_on_host": setup.get("state_on_host", False),
+            "weights": setup.get("weights", "fp32"),
             "dp": setup.get("dp"),
             **estimate_dict(estimate),
             "fits_by_device": fits,

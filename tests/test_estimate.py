@@ -35,6 +35,8 @@ from lightning_tbp.estimate import (
     lightning_step,
     measure_step,
 )
+from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import HostOptimizerState
 from lightning_tbp.privacy import attach
 from lightning_tbp.strategies.privacy import PrivacyConfig
 
@@ -179,6 +181,46 @@ def test_the_optimizer_state_on_the_host_is_estimated_within_five_percent() -> N
     assert "which refuses it" not in format_estimate(
         dataclasses.replace(hosted, host_step_seconds=0.5 * hosted.step_seconds)
     )
+
+
+def test_fp32_masters_on_the_host_are_estimated_as_the_host_counts_them() -> None:
+    """A bf16 model with float32 masters (``fp32_master_weights``): the host bytes the estimate
+    names are those the host state holds after a step; the device's total is the same as
+    without masters (they live on the host); the report names them; from a config, by its option."""
+
+    def build() -> TrainingStep:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+        model = model.to(torch.bfloat16)
+        x = torch.randn(8, 64, dtype=torch.bfloat16)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def forward_backward() -> torch.Tensor:
+            loss = model(x).float().square().mean()
+            loss.backward()
+            return loss
+
+        return TrainingStep({"model": model}, model, (x,), forward_backward, optimizer.step, [optimizer])
+
+    options = {"device": CPU, "minimum": False, "step_in_backward": True, "state_on_host": True}
+    widened = estimate_step(build, master_dtype=torch.float32, **options)
+    plain = estimate_step(build, **options)
+    step = build()
+    stepper = OptimizerInBackward(step.optimizers[0])
+    stepper.host = host = HostOptimizerState(step.optimizers[0], master_dtype=torch.float32)
+    with stepper.stepping():
+        step.forward_backward()
+    assert widened.host_state_bytes == host.host_bytes
+    numel = sum(p.numel() for p in step.modules["model"].parameters())
+    assert widened.host_state_bytes - plain.host_state_bytes == 6 * numel  # 2 more bytes of master, 4 of state
+    assert widened.naive_peak_bytes == plain.naive_peak_bytes
+    assert widened.host_master_dtype == "float32" and plain.host_master_dtype is None
+    assert "float32 masters" in format_estimate(widened) and "float32 masters" not in format_estimate(plain)
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    masters = ["-c", config, "--trainer.strategy.init_args.fp32_master_weights=true"]
+    from_config = estimate_config([*masters, "--trainer.precision=bf16-true"], minimum=False)
+    assert from_config.host_master_dtype == "float32" and from_config.host_state_bytes > 0
+    assert estimate_config(masters, minimum=False).host_master_dtype is None  # float32 weights: nothing to widen
 
 
 def test_a_config_that_does_not_fit_is_estimated_with_the_step_the_planner_would_take_too() -> None:

@@ -7,6 +7,7 @@ reach with the state on the device, the planner taking it by itself."""
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import lightning as L
 import pytest
@@ -20,7 +21,7 @@ from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import held_memory
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim import OptimizerInBackward
-from lightning_tbp.optim.host_state import HostOptimizerState
+from lightning_tbp.optim.host_state import HostOptimizerState, host_bytes_with_masters
 from lightning_tbp.optim.step_cost import NO_COST, host_step_cost, in_backward_step_cost
 from lightning_tbp.remat.host_tier import host_use
 from lightning_tbp.testing.zoo_lightning import ZooModule
@@ -113,18 +114,26 @@ def _minimum(name: str, host_tier: str) -> int:
     return error.value.minimum_device_bytes
 
 
-def _three_steps(module: L.LightningModule, loader: DataLoader, strategy: TinyBackpropStrategy | None = None) -> None:
+def _three_steps(
+    module: L.LightningModule,
+    loader: DataLoader,
+    strategy: TinyBackpropStrategy | None = None,
+    ckpt_path: str | None = None,
+    **trainer_options: Any,
+) -> None:
+    """A fit of three steps (or ``max_steps``) on one CPU, seeded, with no logs or checkpoints
+    unless ``trainer_options`` ask for them."""
     torch.manual_seed(0)
-    L.Trainer(
-        strategy=strategy or "auto",
-        accelerator="cpu",
-        devices=1,
-        max_steps=3,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    ).fit(module, loader)
+    options = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "max_steps": 3,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    L.Trainer(strategy=strategy or "auto", **{**options, **trainer_options}).fit(module, loader, ckpt_path=ckpt_path)
 
 
 def _assert_ends_as_the_plain_fit(module: L.LightningModule, name: str, loader: DataLoader) -> None:
@@ -232,3 +241,236 @@ def test_the_state_on_the_host_from_the_start_trains_as_the_plain_fit(budget: fl
         assert shape_plan.loop.host_state_bytes > 0 and not shape_plan.actions
         _assert_every_step_keeps_its_word(strategy.loop_steps())
     _assert_ends_as_the_plain_fit(module, "dit", loader)
+
+
+# -- float32 masters of a bf16 model ---------------------------------------------------------------
+
+
+def _bf16_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Linear(32, 1)).to(torch.bfloat16)
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randn(8, 6, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+
+
+def _reference_with_masters(steps: int, lr: float) -> tuple[torch.nn.Module, list[torch.Tensor]]:
+    """The classic recipe, by hand: float32 masters, AdamW on them over the bf16 gradients
+    widened, the bf16 weights the masters rounded after each step."""
+    model = _bf16_model()
+    masters = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(masters, lr=lr)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        model(_batch(step)).square().mean().backward()
+        for param, master in zip(model.parameters(), masters, strict=True):
+            master.grad = param.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(model.parameters(), masters, strict=True):
+                param.copy_(master)
+    return model, masters
+
+
+def _hosted_with_masters(lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer, OptimizerInBackward]:
+    model = _bf16_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    stepper = OptimizerInBackward(optimizer)
+    stepper.host = HostOptimizerState(optimizer, master_dtype=torch.float32)
+    return model, optimizer, stepper
+
+
+def _hosted_steps(model: torch.nn.Module, stepper: OptimizerInBackward, steps: range) -> None:
+    for step in steps:
+        with stepper.stepping():
+            model(_batch(step)).square().mean().backward()
+
+
+def test_fp32_masters_step_a_bf16_model_as_a_float32_optimizer_over_its_widened_weights() -> None:
+    """Bit for bit the hand-written recipe; the state and the masters float32 on the host; and an
+    update the bf16 weights alone would lose is kept (the plain bf16 step ends elsewhere)."""
+    lr, steps = 1e-4, 6
+    reference, reference_masters = _reference_with_masters(steps, lr)
+    model, optimizer, stepper = _hosted_with_masters(lr)
+    _hosted_steps(model, stepper, range(steps))
+    for (path, a), b in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert b.dtype == torch.bfloat16 and torch.equal(a, b), path
+    assert stepper.host is not None and len(stepper.host.widened) == 4
+    for master, expected in zip(optimizer.param_groups[0]["params"], reference_masters, strict=True):
+        assert master.dtype == torch.float32 and torch.equal(master, expected)
+        assert optimizer.state[master]["exp_avg"].dtype == torch.float32
+    plain = _bf16_model()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=lr)
+    for step in range(steps):
+        plain_optimizer.zero_grad()
+        plain(_batch(step)).square().mean().backward()
+        plain_optimizer.step()
+    assert not all(torch.equal(a, b) for a, b in zip(plain.parameters(), model.parameters(), strict=True))
+    # the masters hold what bf16 cannot: some differ from their weights widened
+    assert any(not torch.equal(m, p.float()) for m, p in zip(reference_masters, model.parameters(), strict=True))
+    stepper.remove()
+    assert all("lightning_tbp_master" not in s for s in optimizer.state.values())  # the weights are the parameters
+
+
+def test_a_checkpoint_carries_the_fp32_masters_and_a_resumed_run_goes_on_bitwise() -> None:
+    """Saved after 3 steps and loaded into a fresh optimizer over the bf16 weights (as Lightning
+    restores one), the run goes on from the float32 masters, not from their rounding."""
+    lr = 1e-4
+    straight, _, straight_stepper = _hosted_with_masters(lr)
+    _hosted_steps(straight, straight_stepper, range(6))
+    first, first_optimizer, first_stepper = _hosted_with_masters(lr)
+    _hosted_steps(first, first_stepper, range(3))
+    saved = first_optimizer.state_dict()
+    weights = {k: v.clone() for k, v in first.state_dict().items()}
+    resumed = _bf16_model()
+    resumed.load_state_dict(weights)
+    optimizer = torch.optim.AdamW(resumed.parameters(), lr=lr)
+    stepper = OptimizerInBackward(optimizer)
+    stepper.host = HostOptimizerState(optimizer, master_dtype=torch.float32)  # set up before the restore
+    optimizer.load_state_dict(saved)
+    _hosted_steps(resumed, stepper, range(3, 6))
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+    # without the masters in the checkpoint the run would go on from the rounded weights
+    rounded = _bf16_model()
+    rounded.load_state_dict(weights)
+    rounded_optimizer = torch.optim.AdamW(rounded.parameters(), lr=lr)
+    rounded_stepper = OptimizerInBackward(rounded_optimizer)
+    rounded_stepper.host = HostOptimizerState(rounded_optimizer, master_dtype=torch.float32)
+    without = {
+        **saved,
+        "state": {k: {n: v for n, v in s.items() if n != "lightning_tbp_master"} for k, s in saved["state"].items()},
+    }
+    rounded_optimizer.load_state_dict(without)
+    _hosted_steps(rounded, rounded_stepper, range(3, 6))
+    assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), rounded.parameters(), strict=True))
+
+
+def test_the_host_bytes_with_fp32_masters_are_predicted_before_the_first_step() -> None:
+    """Four bytes of master and eight of AdamW state per bf16 weight, as the host ledger counts
+    them (less AdamW's step counters, scalars the prediction leaves out)."""
+    model, _, stepper = _hosted_with_masters(1e-4)
+    numel = sum(p.numel() for p in model.parameters())
+    fresh = torch.optim.AdamW(_bf16_model().parameters(), lr=1e-4)
+    predicted = host_bytes_with_masters(fresh, torch.float32)
+    assert predicted == 12 * numel
+    _hosted_steps(model, stepper, range(1))
+    assert stepper.host is not None and stepper.host.host_bytes == predicted + 4 * len(list(model.parameters()))
+
+
+class _WidenedAdamW(torch.optim.Optimizer):
+    """The recipe by hand as a Lightning module's optimizer: float32 masters of its bf16
+    parameters, AdamW on them, the parameters the masters rounded."""
+
+    def __init__(self, params: list[torch.nn.Parameter], **options: float) -> None:
+        super().__init__(params, {})
+        self.masters = [p.detach().float().clone().requires_grad_() for p in params]
+        self.inner = torch.optim.AdamW(self.masters, **options)
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[no-untyped-def, override]
+        with torch.enable_grad():
+            loss = closure() if closure is not None else None
+        params = self.param_groups[0]["params"]
+        for param, master in zip(params, self.masters, strict=True):
+            master.grad = param.grad.float()
+        self.inner.step()
+        for param, master in zip(params, self.masters, strict=True):
+            param.copy_(master)
+        return loss
+
+
+class _RecipeByHand(ZooModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return _WidenedAdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr, weight_decay=0.01)
+
+
+@pytest.mark.filterwarnings("ignore:.*planning at training step")
+@pytest.mark.parametrize("budget", [None, 0.5])
+def test_a_bf16_fit_with_fp32_masters_ends_as_the_recipe_by_hand(budget: float | None) -> None:
+    """``precision="bf16-true"`` with ``fp32_master_weights=True``: the weights after three steps
+    those of float32 masters stepped by hand, bit for bit; with a plan, every metered step within
+    the budget and the prediction, the masters and their float32 state counted on the host."""
+    module = ZooModule("dit", batch=2, lr=1e-3)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    strategy = TinyBackpropStrategy(memory_budget=budget, fp32_master_weights=True)
+    assert strategy.optimizer_state_on_host is True
+    _three_steps(module, loader, strategy, precision="bf16-true")
+    reference = _RecipeByHand("dit", batch=2, lr=1e-3)
+    _three_steps(reference, loader, precision="bf16-true")
+    for (path, a), b in zip(reference.named_parameters(), module.parameters(), strict=True):
+        assert b.dtype == torch.bfloat16 and torch.equal(a, b), path
+    if budget is None:  # the plain bf16 fit ends elsewhere
+        plain = ZooModule("dit", batch=2, lr=1e-3)
+        _three_steps(plain, loader, precision="bf16-true")
+        assert not all(torch.equal(a, b) for a, b in zip(plain.parameters(), module.parameters(), strict=True))
+    else:
+        assert strategy.plan is not None
+        shape_plan = list(strategy.plan.shape_plans.values())[-1]
+        weights = sum(p.numel() for p in module.parameters() if p.requires_grad)
+        assert shape_plan.loop.host_state_bytes >= 12 * weights  # a float32 master and two moments
+        _assert_every_step_keeps_its_word(strategy.loop_steps())
+
+
+def test_fp32_masters_are_refused_by_name_where_they_cannot_be_kept() -> None:
+    with pytest.raises(ValueError, match="optimizer_state_on_host=False keeps on the device"):
+        TinyBackpropStrategy(fp32_master_weights=True, optimizer_state_on_host=False)
+    with pytest.raises(ValueError, match=r"fp32_master_weights=True steps each parameter on the host.*host_tier='off'"):
+        TinyBackpropStrategy(fp32_master_weights=True, host_tier="off")
+    with pytest.raises(ValueError, match=r"fp32_master_weights=True.*tiny_backprop_fsdp2"):
+        TinyBackpropFSDP2Strategy(fp32_master_weights=True)
+    with pytest.raises(ValueError, match="must be True or False"):
+        TinyBackpropStrategy(fp32_master_weights="yes")  # type: ignore[arg-type]
+
+
+def test_fp32_masters_over_a_float32_model_warn_that_they_do_nothing() -> None:
+    module = ZooModule("dit", batch=2)
+    loader = DataLoader(TensorDataset(*module.rows), batch_size=2)
+    with pytest.warns(UserWarning, match="fp32_master_weights has nothing to widen"):
+        _three_steps(module, loader, TinyBackpropStrategy(memory_budget=None, fp32_master_weights=True))
+    _assert_ends_as_the_plain_fit(module, "dit", loader)
+
+
+class _Mlp(L.LightningModule):
+    """A bf16-trainable module whose steps draw no random numbers (a resumed run's must match)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return (self.net(x).float() - y).square().mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
+def test_a_bf16_fit_resumed_from_its_checkpoint_goes_on_from_the_fp32_masters(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Saved by ``ModelCheckpoint`` after two steps and resumed to six: the weights of six steps
+    straight, bit for bit. Resumed without the option, the masters are dropped with a warning
+    (not loaded onto the device as state) and the run goes on from the rounded weights."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    data = TensorDataset(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
+    loader = DataLoader(data, batch_size=4)
+
+    def fit(steps: int, masters: bool, ckpt_path: str | None = None, save: bool = False) -> _Mlp:
+        module = _Mlp()
+        saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)] if save else []
+        strategy = TinyBackpropStrategy(memory_budget=None, fp32_master_weights=masters)
+        options = {"precision": "bf16-true", "max_steps": steps, "enable_checkpointing": save, "callbacks": saving}
+        _three_steps(module, loader, strategy, ckpt_path, **options)
+        return module
+
+    straight = fit(6, masters=True)
+    fit(2, masters=True, save=True)
+    (saved,) = tmp_path.glob("*step=2.ckpt")
+    assert "lightning_tbp_master" in torch.load(saved, weights_only=False)["optimizer_states"][0]["state"][0]
+    resumed = fit(6, masters=True, ckpt_path=str(saved))
+    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+    with pytest.warns(UserWarning, match="float32 masters of 4 parameters, which this run drops"):
+        rounded = fit(6, masters=False, ckpt_path=str(saved))
+    assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), rounded.parameters(), strict=True))

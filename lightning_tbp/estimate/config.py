@@ -13,6 +13,7 @@ import warnings
 from collections.abc import Sequence
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_tbp.estimate.device import DeviceModel
@@ -108,12 +109,14 @@ def estimate_config(
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_modes.append(host_mode if getattr(trainer.strategy, "host_tier_supported", False) else "off")
         state_modes.append(getattr(trainer.strategy, "optimizer_state_on_host", "auto"))
+        master_dtypes.append(getattr(trainer.strategy, "master_dtype", None))
         return step
 
     mixed: list[bool] = []
     modes: list[tuple[bool | str, list[str]]] = []
     host_modes: list[str] = []
     state_modes: list[bool | str] = []
+    master_dtypes: list[torch.dtype | None] = []
     estimate = estimate_step(build, device=device, device_memory=device_memory, minimum=minimum)
     mode, blocked = modes[0]
     host_mode, state_mode = host_modes[0], state_modes[0]
@@ -126,6 +129,7 @@ def estimate_config(
             step_in_backward=True,
             host_tier=host_mode == "on",
             state_on_host=True,
+            master_dtype=master_dtypes[0],
         )
     if mode is True:
         if blocked:

@@ -52,6 +52,7 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         "host_tier": estimate.host_tier,
         "minimum_plan_host_bytes": estimate.minimum_plan_host_bytes,
         "host_state_bytes": estimate.host_state_bytes,
+        "host_master_dtype": estimate.host_master_dtype,
         "host_step_seconds": estimate.host_step_seconds,
         "step_seconds": estimate.step_seconds,
         "host_slowdown": estimate.host_slowdown,
@@ -137,9 +138,14 @@ def _host_state_line(estimate: StepEstimate) -> str:
         if slowdown > DEFAULT_MAX_SLOWDOWN
         else ""
     )
+    copies = (
+        f"trainable weights' {estimate.host_master_dtype} masters"
+        if estimate.host_master_dtype
+        else "trainable weights' copies"
+    )
     return (
         f"  the optimizer's state and step on the host: {format_bytes(estimate.host_state_bytes)} there with the "
-        f"trainable weights' copies; ~{estimate.host_step_seconds:.2f} s a step for the copies (at the modelled "
+        f"{copies}; ~{estimate.host_step_seconds:.2f} s a step for the copies (at the modelled "
         f"link rate) and the step (at this machine's CPU rate), against ~{estimate.step_seconds:.2f} s for the "
         f"unplanned step on the device: {slowdown:.1f}x{refused}"
     )

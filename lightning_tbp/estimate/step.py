@@ -30,7 +30,7 @@ import dataclasses
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.held import parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import master_dtype_of
 from lightning_tbp.optim.step_cost import host_optimizer_ns_per_byte
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
@@ -160,6 +161,7 @@ class StepEstimate:
     # ``optimizer_state_bytes`` is the device's: none), and what that step adds to a step's time
     host_state_bytes: int = 0
     host_step_seconds: float = 0.0
+    host_master_dtype: str | None = None  # the masters' dtype where wider than the weights' (``fp32_master_weights``)
     step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
 
     @property
@@ -194,6 +196,25 @@ class StepEstimate:
         return max(0, self.forward_backward_peak_bytes - self.target_naive_peak_bytes)
 
 
+def _host_state(
+    optimizers: Sequence[torch.optim.Optimizer], trainable: Sequence[torch.Tensor], master_dtype: torch.dtype | None
+) -> tuple[int, int]:
+    """The masters' bytes on the host, and theirs with the optimizer's state: a master per trainable
+    weight (of ``master_dtype`` where that is wider), and the state the (fake) step made, its
+    tensors of a widened weight's dtype widened with it (torch's optimizers make their state like
+    the parameter: stepped on the master, it is the master's dtype)."""
+    widened = {id(p): master_dtype_of(p, master_dtype) for p in trainable}
+    masters = sum(p.numel() * widened[id(p)].itemsize for p in {id(p): p for p in trainable}.values())
+    state = 0
+    for optimizer in optimizers:
+        for param, param_state in optimizer.state.items():
+            dtype = widened.get(id(param), param.dtype)
+            for tensor in plain_tensors(param_state):
+                itemsize = dtype.itemsize if tensor.dtype == param.dtype else tensor.element_size()
+                state += tensor.numel() * itemsize
+    return masters, masters + state
+
+
 def estimate_step(
     build: Callable[[], TrainingStep],
     *,
@@ -203,6 +224,7 @@ def estimate_step(
     step_in_backward: bool = False,
     host_tier: bool = False,
     state_on_host: bool = False,
+    master_dtype: torch.dtype | None = None,
 ) -> StepEstimate:
     """Estimate the training step that ``build`` makes (called under fake tensors).
 
@@ -215,7 +237,9 @@ def estimate_step(
     to host memory and stream frozen weights from it (copies priced at the device model's host
     link rate; no host budget). ``state_on_host``: the optimizer's state and its step are on the
     host too (``optim/host_state.py``; with ``step_in_backward`` and ``host_tier``), its time the
-    copies at the link rate and the step at this machine's CPU rate.
+    copies at the link rate and the step at this machine's CPU rate; ``master_dtype`` (with
+    ``state_on_host``): narrower float weights get masters of that dtype there, their state made
+    in it (``fp32_master_weights``).
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -282,9 +306,9 @@ def estimate_step(
                 "state_on_host steps each parameter on the host inside the backward: pass step_in_backward"
             )
         trainable_bytes = storage_bytes(trainable, model.allocation_rounding, set())
-        host_state_bytes = optimizer_state + trainable_bytes
-        host_ns = trainable_bytes * (
-            2e9 / model.host_link_bytes_per_second + host_optimizer_ns_per_byte(step.optimizers[0])
+        master_bytes, host_state_bytes = _host_state(step.optimizers, trainable, master_dtype)
+        host_ns = trainable_bytes * 2e9 / model.host_link_bytes_per_second + master_bytes * (
+            host_optimizer_ns_per_byte(step.optimizers[0], dtype=master_dtype)
         )
         host_step_seconds = host_ns / 1e9
         loop = loop.with_state_on_host(host_state_bytes, host_ns)
@@ -333,6 +357,11 @@ def estimate_step(
         host_tier=host_tier,
         host_state_bytes=host_state_bytes,
         host_step_seconds=host_step_seconds,
+        host_master_dtype=(
+            str(master_dtype).removeprefix("torch.")
+            if master_dtype is not None and any(master_dtype_of(p, master_dtype) != p.dtype for p in trainable)
+            else None
+        ),
         step_seconds=(solver.sim.step_ns - loop.step_inside_ns) / 1e9,
     )
     per_rank(estimate, step.layout, step.target)

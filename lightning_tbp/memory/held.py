@@ -64,11 +64,24 @@ def _pending_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device)
     """Bytes the optimizer's first step will allocate on ``device`` for parameters that have no
     state yet: a twin's state for a probe of each distinct shape, dtype and group, times how many
     parameters share it (see :func:`state_bytes_of_a_step`)."""
+    return state_bytes_to_come(
+        optimizer,
+        (
+            (index, p, p.dtype)
+            for index, group in enumerate(optimizer.param_groups)
+            for p in group["params"]
+            if p.requires_grad and not optimizer.state.get(p) and p.device.type == device.type
+        ),
+    )
+
+
+def state_bytes_to_come(
+    optimizer: torch.optim.Optimizer, params: Iterable[tuple[int, torch.Tensor, torch.dtype]]
+) -> int:
+    """Bytes ``optimizer``'s first step makes for ``params`` (group index, parameter, the dtype it
+    is stepped in: its own, or its master's on the host), probed once per distinct shape."""
     shapes: Counter[tuple[int, tuple[int, ...], torch.dtype]] = Counter(
-        (index, tuple(_local(p).shape), p.dtype)
-        for index, group in enumerate(optimizer.param_groups)
-        for p in group["params"]
-        if p.requires_grad and not optimizer.state.get(p) and p.device.type == device.type
+        (index, tuple(_local(p).shape), dtype) for index, p, dtype in params
     )
     return sum(
         count * state_bytes_of_a_step(optimizer, optimizer.param_groups[index], shape, dtype)

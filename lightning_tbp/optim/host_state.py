@@ -11,6 +11,18 @@ gradient is copied to a host buffer and freed on the device, the master is stepp
 values are copied into the device parameter in place. The device then holds the weights and the
 gradients still being made, nothing else of the optimizer.
 
+With ``master_dtype`` (float32), a bf16 or fp16 parameter's master is float32 instead: its
+gradient is widened on the host, the optimizer steps the float32 master with float32 state, and
+the device gets the master rounded to its dtype (round to nearest even). Trained in bf16 alone,
+an update smaller than half a bf16 ulp of the weight is lost at every step; kept in float32 on
+the host it accumulates, at no device memory. That is the classic mixed-precision recipe (float32
+masters, low-precision model), not the ordinary bf16 step: the weights equal those of a float32
+optimizer over masters widened from the parameters (``tests/test_host_optimizer.py``). A master
+that is not the parameter's dtype is kept in its own state under :data:`MASTER_KEY` (the same
+tensor, no copy), so that checkpoints carry it and a resumed run goes on from the float32 values,
+not from the rounded weights; it is put there after the first step made the state (an optimizer
+makes its state where it finds none).
+
 The host step runs on a worker thread. On CUDA it overlaps the backward (each step is queued and
 the block waits for all of them as it ends; the copy back is ordered after the kernels that read
 the old weights on the same stream). On a CPU the host tier is emulated: the masters live in
@@ -27,28 +39,66 @@ teardown), so a later ``step()`` on the device needs it moved first.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_tbp.memory.breakdown import plain_tensors
+from lightning_tbp.memory.held import state_bytes_to_come
 from lightning_tbp.memory.homes import set_state_home, take_state_home
 from lightning_tbp.optim.in_backward import step_only
 from lightning_tbp.remat.host_tier import host_buffer, host_use
 
+#: The key of a widened master in its own optimizer state (see the module's docstring).
+MASTER_KEY = "lightning_tbp_master"
 
-def _host_tensor(like: torch.Tensor) -> torch.Tensor:
-    """A host tensor of ``like``'s dtype and shape (pinned for CUDA; numpy's for a CPU)."""
-    return host_buffer(like.numel() * like.element_size(), like.device, like)
+
+def _host_tensor(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host tensor of ``like``'s shape and dtype (or ``dtype``); pinned for CUDA, numpy's for a CPU."""
+    dtype = like.dtype if dtype is None else dtype
+    nbytes = like.numel() * dtype.itemsize
+    return host_buffer(nbytes, like.device, torch.empty(like.shape, dtype=dtype, device="meta"))
+
+
+def master_dtype_of(param: torch.Tensor, master_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype of ``param``'s master: ``master_dtype`` where that is a wider float, else its own."""
+    if master_dtype is None or not param.is_floating_point() or master_dtype.itemsize <= param.dtype.itemsize:
+        return param.dtype
+    return master_dtype
+
+
+def host_bytes_with_masters(optimizer: Optimizer, master_dtype: torch.dtype) -> int:
+    """What the host will hold for ``optimizer`` with masters of ``master_dtype``: each trainable
+    parameter's master and the state its first step makes in the master's dtype (asked before
+    the state is made: with wider masters it is on the host from the first step)."""
+    trainable = [
+        (index, p, master_dtype_of(p, master_dtype))
+        for index, group in enumerate(optimizer.param_groups)
+        for p in group["params"]
+        if p.requires_grad
+    ]
+    masters = sum(p.numel() * dtype.itemsize for _, p, dtype in trainable)
+    return masters + state_bytes_to_come(optimizer, trainable)
+
+
+def drop_masters(optimizer_states: list[dict]) -> int:
+    """Take the masters out of saved optimizer states (``state_dict()``s); how many there were."""
+    dropped = 0
+    for saved in optimizer_states:
+        for state in saved.get("state", {}).values():
+            dropped += state.pop(MASTER_KEY, None) is not None
+    return dropped
 
 
 class HostOptimizerState:
-    """``optimizer``'s state and step on the host."""
+    """``optimizer``'s state and step on the host; ``master_dtype``: masters of lower-precision
+    float parameters in this (wider) dtype."""
 
-    def __init__(self, optimizer: Optimizer) -> None:
+    def __init__(self, optimizer: Optimizer, master_dtype: torch.dtype | None = None) -> None:
         self.optimizer = optimizer
+        self.master_dtype = master_dtype
         self._masters: dict[int, torch.Tensor] = {}  # id(device parameter) -> its master
         self._devices: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, master)
         self._state_counted: set[int] = set()  # masters whose state ``host_use`` counts
@@ -68,7 +118,7 @@ class HostOptimizerState:
                 f"{type(param.data).__name__} on {param.device}; pass host_tier='off'"
             )
         self.overlapped = self.overlapped or param.device.type == "cuda"
-        master = _host_tensor(param.detach())
+        master = _host_tensor(param.detach(), master_dtype_of(param, self.master_dtype))
         master.copy_(param.detach())
         state = self.optimizer.state.pop(param, None)
         if state is not None:
@@ -82,8 +132,13 @@ class HostOptimizerState:
     def host_bytes(self) -> int:
         """What the host holds for the optimizer now: the masters and the state made so far."""
         masters = sum(master.numel() * master.element_size() for _, master in self._devices)
-        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in plain_tensors(s))
+        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in _own_tensors(s))
         return masters + state
+
+    @property
+    def widened(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(device parameter, master) of the masters wider than their parameter."""
+        return [(param, master) for param, master in self._devices if master.dtype != param.dtype]
 
     def step(self, param: torch.Tensor, group_index: int) -> None:
         """Copy ``param``'s finished gradient to the host, free it, and step its master (in the
@@ -113,6 +168,7 @@ class HostOptimizerState:
         for param, master in self._devices:
             state = self.optimizer.state.pop(master, None)
             if state is not None:
+                state.pop(MASTER_KEY, None)  # the masters go with the host; the weights are the parameters
                 self.optimizer.state[param] = state
         self._devices.clear()
         self._masters.clear()
@@ -127,12 +183,14 @@ class HostOptimizerState:
 
     def _step_master(self, param: torch.Tensor, master: torch.Tensor, grad: torch.Tensor, group_index: int) -> None:
         self._state_to_host(master)
-        master.grad = grad
+        master.grad = grad.to(master.dtype)  # widened where the master is wider (else the same tensor)
         try:
             step_only(self.optimizer, master, group_index)
         finally:
             master.grad = None
         self._state_to_host(master)  # made by its first step: counted
+        if master.dtype != param.dtype:
+            self.optimizer.state[master][MASTER_KEY] = master  # in checkpoints from now on
         with torch.no_grad():
             param.detach().copy_(master)
 
@@ -143,13 +201,26 @@ class HostOptimizerState:
         state = self.optimizer.state.get(master)
         if not state:
             return
+        restored = state.get(MASTER_KEY)
+        if restored is not None and restored is not master:  # a checkpoint's master (cast and moved by its loading)
+            master.copy_(restored)
+            state[MASTER_KEY] = master
         for key, value in state.items():
+            if key == MASTER_KEY:
+                continue
             if isinstance(value, torch.Tensor) and (move_all or value.device != master.device):
-                state[key] = value.to(master.device, copy=True)
+                # state made like a narrower parameter (before the masters) is widened with it
+                widen = value.is_floating_point() and value.shape == master.shape and value.dtype != master.dtype
+                state[key] = value.to(master.device, dtype=master.dtype if widen else value.dtype, copy=True)
                 self._state_counted.discard(id(master))
         if id(master) not in self._state_counted:
             self._state_counted.add(id(master))
-            for tensor in plain_tensors(state):
+            for tensor in _own_tensors(state):
                 nbytes = tensor.numel() * tensor.element_size()
                 host_use.allocated(nbytes)
                 weakref.finalize(tensor, host_use.freed, nbytes)
+
+
+def _own_tensors(state: dict) -> Iterator[torch.Tensor]:
+    """The tensors of a parameter's state, less its master (counted as a master)."""
+    return plain_tensors({key: value for key, value in state.items() if key != MASTER_KEY})

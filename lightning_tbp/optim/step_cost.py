@@ -58,24 +58,28 @@ def in_backward_ns(optimizer: Optimizer, device: torch.device) -> float:
     return in_backward_step_cost(optimizer, device).of(*trainable_of(optimizer))
 
 
-def host_ns(optimizer: Optimizer, device: torch.device) -> float:
-    """Time of ``optimizer``'s steps on the host, with the copies, for a model trained on ``device``."""
-    return host_step_cost(optimizer, device).of(*trainable_of(optimizer))
+def host_ns(optimizer: Optimizer, device: torch.device, master_dtype: torch.dtype | None = None) -> float:
+    """Time of ``optimizer``'s steps on the host, with the copies, for a model trained on
+    ``device`` (its masters in ``master_dtype`` where that is wider: ``host_state.py``)."""
+    return host_step_cost(optimizer, device, master_dtype=master_dtype).of(*trainable_of(optimizer))
 
 
-def host_step_cost(optimizer: Optimizer, device: torch.device, numel: int = 1 << 20) -> StepCost:
+def host_step_cost(
+    optimizer: Optimizer, device: torch.device, numel: int = 1 << 20, master_dtype: torch.dtype | None = None
+) -> StepCost:
     """``optimizer`` stepping one parameter at a time on the host for a model trained on
-    ``device``: the gradient's copy down, the step on the host's worker thread, the copy back.
-    On CUDA, where the host's steps overlap the backward, an upper bound."""
+    ``device``: the gradient's copy down, the step on the host's worker thread (on a master of
+    ``master_dtype`` where that is wider than the parameter's), the copy back. On CUDA, where
+    the host's steps overlap the backward, an upper bound."""
     with ThreadPoolExecutor(1, thread_name_prefix="lightning_tbp-host-step-probe") as worker:
-        return _measured(optimizer, device, numel, on=torch.device("cpu"), worker=worker)
+        return _measured(optimizer, device, numel, on=torch.device("cpu"), worker=worker, master_dtype=master_dtype)
 
 
-def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> float:
+def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20, dtype: torch.dtype | None = None) -> float:
     """Time of ``optimizer``'s step on this machine's CPU per byte of parameter (a twin on a probe
-    of ``numel`` elements of its largest parameter's dtype, the median of three after the step
-    that makes the state): what ``tbp estimate`` charges for the host step, with the copies."""
-    dtype = _largest_dtype(optimizer)
+    of ``numel`` elements of ``dtype``, by default its largest parameter's; the median of three
+    after the step that makes the state): what ``tbp estimate`` charges for the host step."""
+    dtype = dtype or _largest_dtype(optimizer)
     cpu = torch.device("cpu")
     with unset_fake_temporarily():
         ns = _median_step_ns(optimizer, dtype, numel, cpu, cpu, None)
@@ -83,12 +87,18 @@ def host_optimizer_ns_per_byte(optimizer: Optimizer, numel: int = 1 << 20) -> fl
 
 
 def _measured(
-    optimizer: Optimizer, device: torch.device, numel: int, on: torch.device, worker: ThreadPoolExecutor | None
+    optimizer: Optimizer,
+    device: torch.device,
+    numel: int,
+    on: torch.device,
+    worker: ThreadPoolExecutor | None,
+    master_dtype: torch.dtype | None = None,
 ) -> StepCost:
     if not _trainable(optimizer):
         return NO_COST
     dtype = _largest_dtype(optimizer)
-    one, many = (_median_step_ns(optimizer, dtype, n, on, device, worker) for n in (1, numel))
+    widened = master_dtype if master_dtype is not None and master_dtype.itemsize > dtype.itemsize else dtype
+    one, many = (_median_step_ns(optimizer, dtype, n, on, device, worker, widened) for n in (1, numel))
     nbytes = (numel - 1) * torch.empty((), dtype=dtype).element_size()
     return StepCost(one, max(0.0, many - one) / nbytes)
 
@@ -105,12 +115,14 @@ def _median_step_ns(
     on: torch.device,
     device: torch.device,
     worker: ThreadPoolExecutor | None,
+    probe_dtype: torch.dtype | None = None,
 ) -> float:
     """The median of three steps of a twin of ``optimizer`` on a probe of ``numel`` elements on
     ``on`` (after a warm-up that makes its state); with a ``worker``, as the host's steps run:
     the gradient copied from the training ``device``, the step handed to the worker thread and
-    waited for, the new values copied back."""
-    probe = torch.zeros(numel, dtype=dtype, device=on, requires_grad=True)
+    waited for, the new values copied back. ``probe_dtype``: the probe's (a wider master's),
+    the gradient widened to it on the host."""
+    probe = torch.zeros(numel, dtype=probe_dtype or dtype, device=on, requires_grad=True)
     twin = optimizer_twin(optimizer, [probe], portable=on.type != "cuda")
     grad = torch.ones(numel, dtype=dtype, device=device)
     param = torch.zeros(numel, dtype=dtype, device=device)
@@ -126,7 +138,7 @@ def _median_step_ns(
             probe.grad = grad
             twin.step()
         else:
-            probe.grad = grad.to(on, copy=True)
+            probe.grad = grad.to(on, copy=True).to(probe.dtype)
             worker.submit(step_and_copy_back).result()
         _synchronize(device)
         return time.perf_counter_ns() - start

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from traceback import format_exception_only
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_tbp.memory.breakdown import tensor_bytes
 from lightning_tbp.memory.held import HeldMemory, held_memory, parameter_step_ratio
 from lightning_tbp.optim import OptimizerInBackward
+from lightning_tbp.optim.host_state import drop_masters, host_bytes_with_masters
 from lightning_tbp.optim.step_cost import host_ns, in_backward_ns, trainable_of
 from lightning_tbp.privacy import BACKWARD_PASSES, BufferStats
 from lightning_tbp.remat import Plan, ShapePlan, format_bytes, parse_budget
@@ -153,6 +154,14 @@ class TinyBackpropMixin:
             ``CPUOffloadOptimizer`` does, with the user's own optimizer; refused where the step
             cannot be inside the backward or with ``host_tier="off"`` or FSDP); ``False``:
             never.
+        fp32_master_weights: keep a float32 master of each bf16 or fp16 trainable parameter on
+            the host, with the optimizer's state in float32, and step the masters there (the
+            device gets each master rounded to its dtype): a model trained in bf16
+            (``precision="bf16-true"``) then loses no update too small for its weights' precision,
+            at no device memory (:mod:`lightning_tbp.optim.host_state`). Puts the optimizer's
+            state on the host from the first step (``optimizer_state_on_host="auto"`` becomes
+            ``True``; refused with ``False`` and where that is refused). Checkpoints carry the
+            masters.
         max_slowdown: the most times slower than without a plan a step may be predicted to run
             (recomputation, host copies, the optimizer's step on the host; default 10): a budget
             only a slower plan meets raises :class:`~lightning_tbp.remat.StallingPlanError`
@@ -178,6 +187,7 @@ class TinyBackpropMixin:
         host_tier: HostTier = "auto",
         host_budget: int | None = None,
         optimizer_state_on_host: bool | Literal["auto"] = "auto",
+        fp32_master_weights: bool = False,
         max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN,
         **kwargs: Any,
     ) -> None:
@@ -200,6 +210,16 @@ class TinyBackpropMixin:
             raise ValueError(f"optimizer_in_backward must be True, False or 'auto', got {optimizer_in_backward!r}")
         if optimizer_state_on_host not in (True, False, "auto"):
             raise ValueError(f"optimizer_state_on_host must be True, False or 'auto', got {optimizer_state_on_host!r}")
+        if not isinstance(fp32_master_weights, bool):
+            raise ValueError(f"fp32_master_weights must be True or False, got {fp32_master_weights!r}")
+        if fp32_master_weights and optimizer_state_on_host is False:
+            raise ValueError(
+                "fp32_master_weights keeps the masters beside the optimizer's state on the host, which "
+                "optimizer_state_on_host=False keeps on the device; pass optimizer_state_on_host=True or 'auto'"
+            )
+        self.master_dtype = torch.float32 if fp32_master_weights else None
+        if fp32_master_weights:
+            optimizer_state_on_host = True  # the masters' state is theirs from the first step
         if optimizer_state_on_host is True:
             conflicts = {
                 "optimizer_in_backward=False": optimizer_in_backward is False,
@@ -208,9 +228,11 @@ class TinyBackpropMixin:
             }
             named = [name for name, conflict in conflicts.items() if conflict]
             if named:
+                asked = "fp32_master_weights=True" if fp32_master_weights else "optimizer_state_on_host=True"
+                instead = "train without it" if fp32_master_weights else "pass optimizer_state_on_host='auto'"
                 raise ValueError(
-                    "optimizer_state_on_host=True steps each parameter on the host inside the backward, which "
-                    f"cannot run with {', '.join(named)}; change it, or pass optimizer_state_on_host='auto'"
+                    f"{asked} steps each parameter on the host inside the backward, which "
+                    f"cannot run with {', '.join(named)}; change it, or {instead}"
                 )
         self.optimizer_state_on_host = optimizer_state_on_host
         if (
@@ -266,7 +288,7 @@ class TinyBackpropMixin:
         host_state_cost = None
         if trainer.state.fn == "fit" and self.optimizer_state_on_host is True and self._in_backward is not None:
             host_state_cost = self._host_state_cost()  # while the state is the device's
-            self._in_backward.keep_state_on_host()
+            self._in_backward.keep_state_on_host(self.master_dtype)
         if trainer.state.fn == "fit" and self.memory_budget is not None:
             # a new plan for every fit: the last one was removed at teardown (also after a failed or
             # interrupted fit), and a resumed run's model may have changed since
@@ -406,8 +428,11 @@ class TinyBackpropMixin:
         the state, made or to come), the time of its steps there with the copies, and of the same
         steps on the device (measured); asked while the state is still the device's."""
         optimizer, device = self.optimizers[0], self.root_device
-        host_bytes = trainable_of(optimizer)[1] + self.held_memory().optimizer_state
-        return host_bytes, host_ns(optimizer, device), in_backward_ns(optimizer, device)
+        if self.master_dtype is not None:
+            host_bytes = host_bytes_with_masters(optimizer, self.master_dtype)
+        else:
+            host_bytes = trainable_of(optimizer)[1] + self.held_memory().optimizer_state
+        return host_bytes, host_ns(optimizer, device, self.master_dtype), in_backward_ns(optimizer, device)
 
     def _state_on_host(self, stepping: StepInBackward | None, blocked: list[str]) -> LoopAlternative:
         """The plan's alternative that keeps the optimizer's state on the host and steps each
@@ -422,7 +447,7 @@ class TinyBackpropMixin:
         def adopt() -> None:
             assert stepping is not None
             stepping.enable()
-            stepping.keep_state_on_host()
+            stepping.keep_state_on_host(self.master_dtype)
 
         return LoopAlternative(
             action="the optimizer's state and step on the host (host_tier)",
@@ -747,6 +772,20 @@ class TinyBackpropMixin:
         for detail in ("blocks", "edges", "signature"):
             summary.pop(detail)
         return {"plan": summary, "dp": dp, "loop_steps": self.loop_steps()}
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """As Lightning's; a checkpoint's float32 masters are dropped where this run keeps none
+        (they would be loaded onto the device as state, cast to the parameters' dtype)."""
+        if self.master_dtype is None:
+            dropped = drop_masters(checkpoint["optimizer_states"])
+            if dropped:
+                rank_zero_warn(
+                    f"tiny_backprop: the checkpoint holds float32 masters of {dropped} parameters, which this run "
+                    "drops (fp32_master_weights=False): training goes on from the weights as saved. Pass "
+                    "fp32_master_weights=True to go on from the masters"
+                )
+        super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]  # the Lightning strategy's
 
     @override
     def teardown(self) -> None:

@@ -33,11 +33,13 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_tbp.optim import OptimizerInBackward, steps_per_parameter
 from lightning_tbp.optim.host_state import HostOptimizerState
 from lightning_tbp.optim.in_backward import NEEDS_EVERY_GRADIENT
+from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.strategies.privacy import PrivateTraining
 
 
@@ -91,11 +93,14 @@ class StepInBackward:
         """Step inside the backward from the next backward on."""
         self.stepper.enabled = True
 
-    def keep_state_on_host(self) -> None:
+    def keep_state_on_host(self, master_dtype: torch.dtype | None = None) -> None:
         """From the next step on, the optimizer's state lives on the host and each parameter is
-        stepped there (:class:`~lightning_tbp.optim.host_state.HostOptimizerState`)."""
+        stepped there (:class:`~lightning_tbp.optim.host_state.HostOptimizerState`, with masters
+        of ``master_dtype`` for narrower float parameters)."""
         if self.stepper.host is None:
-            self.stepper.host = HostOptimizerState(self.stepper.optimizer)
+            self.stepper.host = HostOptimizerState(self.stepper.optimizer, master_dtype)
+            if master_dtype is not None:
+                _announce_masters(self.stepper.host)
 
     def optimizer_step(self, optimizer: Optimizer, lightning_step: Callable[[Any], Any]) -> Any:
         """Run Lightning's step (closure, hooks) with ``optimizer``'s step inside its backward (or,
@@ -127,6 +132,23 @@ class StepInBackward:
         self.stepper.remove()
         if self._private is not None and self._private.engine is not None:
             self._private.engine.gradient_complete = None
+
+
+def _announce_masters(host: HostOptimizerState) -> None:
+    """Say how many parameters got wider masters on the host (none: the option does nothing)."""
+    widened = host.widened
+    if not widened:
+        rank_zero_warn(
+            "tiny_backprop: fp32_master_weights has nothing to widen: every trainable parameter is "
+            f"{host.master_dtype} or wider already (it is for models trained in bf16 or fp16, e.g. "
+            "precision='bf16-true')"
+        )
+        return
+    nbytes = sum(master.numel() * master.element_size() for _, master in widened)
+    rank_zero_info(
+        f"tiny_backprop: {len(widened)} trainable parameters have {host.master_dtype} masters on the host "
+        f"({format_bytes(nbytes)}), stepped there with their optimizer state"
+    )
 
 
 #: The multi-device strategies that hand each parameter's reduced gradient to its step inside the

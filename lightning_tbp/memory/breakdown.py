@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import storage_key
-from lightning_tbp.memory.homes import state_on_host
+from lightning_tbp.memory.homes import hosted_state
 
 
 @dataclass
@@ -102,8 +102,8 @@ def tensor_bytes(
     optimizer_state = sum(
         _storages_bytes(plain_tensors(state), device_type, seen)
         for optimizer in optimizers
-        if not state_on_host(optimizer)  # the host tier's (``optim/host_state.py``)
-        for state in optimizer.state.values()
+        for param, state in optimizer.state.items()
+        if id(param) not in hosted_state(optimizer)  # the host tier's (``optim/host_state.py``)
     )
     return Breakdown(parameters, gradients, optimizer_state, dp_buffers=dp_buffers)
 

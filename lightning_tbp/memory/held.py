@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_tbp.compat import FakeTensor
 from lightning_tbp.memory.breakdown import plain_tensors, tensor_bytes
-from lightning_tbp.memory.homes import home_of, state_on_host
+from lightning_tbp.memory.homes import home_of, hosted_state
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.optim.choice import is_low_bit
 
@@ -50,7 +50,7 @@ def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], 
     """Parameters and optimizer state of ``module`` on ``device``, predicting state not made yet."""
     optimizers = list(optimizers)
     existing = tensor_bytes(module, optimizers, device)
-    pending = sum(_pending_state_bytes(optimizer, device) for optimizer in optimizers if not state_on_host(optimizer))
+    pending = sum(_pending_state_bytes(optimizer, device) for optimizer in optimizers)
     # weights streamed from the host count where they were loaded (plans count from there)
     streamed = sum(
         local_bytes(p)
@@ -62,15 +62,17 @@ def held_memory(module: nn.Module, optimizers: Iterable[torch.optim.Optimizer], 
 
 def _pending_state_bytes(optimizer: torch.optim.Optimizer, device: torch.device) -> int:
     """Bytes the optimizer's first step will allocate on ``device`` for parameters that have no
-    state yet: a twin's state for a probe of each distinct shape, dtype and group, times how many
-    parameters share it (see :func:`state_bytes_of_a_step`)."""
+    state yet (and whose state is not the host tier's): a twin's state for a probe of each
+    distinct shape, dtype and group, times how many parameters share it (see
+    :func:`state_bytes_of_a_step`)."""
+    hosted = hosted_state(optimizer)
     return state_bytes_to_come(
         optimizer,
         (
             (index, p, p.dtype)
             for index, group in enumerate(optimizer.param_groups)
             for p in group["params"]
-            if p.requires_grad and not optimizer.state.get(p) and p.device.type == device.type
+            if p.requires_grad and not optimizer.state.get(p) and p.device.type == device.type and id(p) not in hosted
         ),
     )
 

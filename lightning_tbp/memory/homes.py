@@ -1,5 +1,5 @@
 """Where parameters whose data the host tier holds were loaded: the device their bytes count on;
-and which optimizers keep their state on the host (it counts on no device).
+and which optimizers' parameters keep their state on the host (it counts on no device).
 
 A plan that streams a block's frozen weights (``remat/host_weights.py``) moves their data to
 host memory, yet budgets stay against the parameters as loaded (a plan's peaks are counted
@@ -39,14 +39,15 @@ def home_of(param: torch.Tensor) -> torch.device | None:
     return entry[1] if entry is not None and entry[0]() is param else None
 
 
-# optimizers whose state the host tier holds (``optim/host_state.py``), by ``id`` as above
-_STATE_ON_HOST: dict[int, weakref.ref[torch.optim.Optimizer]] = {}
+# per optimizer, the parameters (masters) whose state the host tier holds (``optim/host_state.py``)
+_STATE_ON_HOST: dict[int, tuple[weakref.ref[torch.optim.Optimizer], frozenset[int]]] = {}
 
 
-def set_state_home(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer``'s state and step moved to the host: none of it counts on a device."""
+def set_state_home(optimizer: torch.optim.Optimizer, hosted: frozenset[int]) -> None:
+    """The state of ``optimizer``'s parameters whose ids are ``hosted`` (their masters on the host)
+    moved there with their step: it counts on no device."""
     key = id(optimizer)
-    _STATE_ON_HOST[key] = weakref.ref(optimizer, lambda _: _STATE_ON_HOST.pop(key, None))
+    _STATE_ON_HOST[key] = (weakref.ref(optimizer, lambda _: _STATE_ON_HOST.pop(key, None)), hosted)
 
 
 def take_state_home(optimizer: torch.optim.Optimizer) -> None:
@@ -54,7 +55,7 @@ def take_state_home(optimizer: torch.optim.Optimizer) -> None:
     _STATE_ON_HOST.pop(id(optimizer), None)
 
 
-def state_on_host(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether the host tier holds ``optimizer``'s state (then no device holds any of it)."""
+def hosted_state(optimizer: torch.optim.Optimizer) -> frozenset[int]:
+    """Ids of ``optimizer``'s parameters whose state the host tier holds (none on a device)."""
     entry = _STATE_ON_HOST.get(id(optimizer))
-    return entry is not None and entry() is optimizer
+    return entry[1] if entry is not None and entry[0]() is optimizer else frozenset()

@@ -39,8 +39,9 @@ teardown), so a later ``step()`` on the device needs it moved first.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
@@ -83,6 +84,57 @@ def host_bytes_with_masters(optimizer: Optimizer, master_dtype: torch.dtype) -> 
     return masters + state_bytes_to_come(optimizer, trainable)
 
 
+@dataclass(frozen=True)
+class Hosting:
+    """What moving one parameter's state and step to the host does: the state bytes it takes off
+    the device (made, or its first step's to come) and of those still to come, and the bytes it
+    puts on the host (its master and the state, in the master's dtype)."""
+
+    param: torch.Tensor
+    device_bytes: int
+    pending_bytes: int
+    host_bytes: int
+
+
+def hostings(optimizer: Optimizer, master_dtype: torch.dtype | None = None) -> list[Hosting]:
+    """Per trainable parameter of ``optimizer``, what hosting its state would do (probing the
+    state of each distinct shape once: ``held.state_bytes_to_come``)."""
+    probes: dict[tuple[int, tuple[int, ...], torch.dtype], int] = {}
+
+    def to_come(index: int, param: torch.Tensor, dtype: torch.dtype) -> int:
+        key = (index, tuple(param.shape), dtype)
+        if key not in probes:
+            probes[key] = state_bytes_to_come(optimizer, [(index, param, dtype)])
+        return probes[key]
+
+    found = []
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            if not param.requires_grad:
+                continue
+            dtype = master_dtype_of(param, master_dtype)
+            made = optimizer.state.get(param)
+            pending = 0 if made else to_come(index, param, param.dtype)
+            device = sum(t.numel() * t.element_size() for t in _own_tensors(made)) if made else pending
+            state = device if made and dtype == param.dtype else to_come(index, param, dtype)
+            found.append(Hosting(param, device, pending, param.numel() * dtype.itemsize + state))
+    return found
+
+
+def fewest_to_host(candidates: list[Hosting], at_least: int) -> list[Hosting] | None:
+    """The fewest parameters, largest state first, whose hosting takes ``at_least`` bytes off the
+    device (None: all of them do not): per byte moved, few large steps cost the host less than
+    many small ones (each has a fixed cost, ``optim/step_cost.py``)."""
+    chosen: list[Hosting] = []
+    freed = 0
+    for hosting in sorted(candidates, key=lambda h: h.device_bytes, reverse=True):
+        if freed >= at_least:
+            break
+        chosen.append(hosting)
+        freed += hosting.device_bytes
+    return chosen if freed >= at_least else None
+
+
 def drop_masters(optimizer_states: list[dict]) -> int:
     """Take the masters out of saved optimizer states (``state_dict()``s); how many there were."""
     dropped = 0
@@ -94,11 +146,18 @@ def drop_masters(optimizer_states: list[dict]) -> int:
 
 class HostOptimizerState:
     """``optimizer``'s state and step on the host; ``master_dtype``: masters of lower-precision
-    float parameters in this (wider) dtype."""
+    float parameters in this (wider) dtype; ``hosted``: the trainable parameters whose state goes
+    (None: all of them; the others keep theirs on the device and step there)."""
 
-    def __init__(self, optimizer: Optimizer, master_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        master_dtype: torch.dtype | None = None,
+        hosted: Collection[torch.Tensor] | None = None,
+    ) -> None:
         self.optimizer = optimizer
         self.master_dtype = master_dtype
+        self._only = None if hosted is None else {id(p) for p in hosted}
         self._masters: dict[int, torch.Tensor] = {}  # id(device parameter) -> its master
         self._devices: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, master)
         self._state_counted: set[int] = set()  # masters whose state ``host_use`` counts
@@ -107,10 +166,14 @@ class HostOptimizerState:
         self.overlapped = False
         for group in optimizer.param_groups:
             group["params"] = [self._master_of(p) for p in group["params"]]
-        set_state_home(optimizer)
+        set_state_home(optimizer, frozenset(id(master) for _, master in self._devices))
+
+    def hosts(self, param: torch.Tensor) -> bool:
+        """Whether ``param``'s state and step are on the host."""
+        return id(param) in self._masters
 
     def _master_of(self, param: torch.Tensor) -> torch.Tensor:
-        if not param.requires_grad:
+        if not param.requires_grad or (self._only is not None and id(param) not in self._only):
             return param
         if param.device.type not in ("cpu", "cuda") or type(param.data) is not torch.Tensor:
             raise ValueError(
@@ -132,8 +195,8 @@ class HostOptimizerState:
     def host_bytes(self) -> int:
         """What the host holds for the optimizer now: the masters and the state made so far."""
         masters = sum(master.numel() * master.element_size() for _, master in self._devices)
-        state = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in _own_tensors(s))
-        return masters + state
+        states = (self.optimizer.state.get(master, {}) for _, master in self._devices)
+        return masters + sum(t.numel() * t.element_size() for s in states for t in _own_tensors(s))
 
     @property
     def widened(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

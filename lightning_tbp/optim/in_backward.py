@@ -156,7 +156,7 @@ class OptimizerInBackward:
     def _step_and_free(self, param: torch.Tensor) -> None:
         if self.before_step is not None:
             self.before_step(param)
-        if self.host is not None:
+        if self.host is not None and self.host.hosts(param):
             self.host.step(param, self._group_index[param])
         else:
             report = self.state_made if not self.optimizer.state.get(param) else None

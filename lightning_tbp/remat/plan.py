@@ -17,6 +17,7 @@ same one (the strategies give one built on collectives; see ``strategies/common.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -484,15 +485,8 @@ class Plan:
     def _solve_in_alternative(
         self, profile: _Profile, correction: float, error: InfeasibleBudgetError, alternative: LoopAlternative
     ) -> ShapePlan:
-        loop = alternative.loop(self.loop)
-        solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, profile.alongside, loop)
         without = format_bytes(error.minimum_budget_bytes)
-        held = None if alternative.held is None or profile.held is None else alternative.held(profile.held)
-        # what it takes off the device outside the step, as the budget counts it (a fraction does
-        # not): its step budgets are larger by as much
-        freed = 0
-        if held is not None:
-            freed = self.budget.resolve(0, profile.device, held) - self.budget.resolve(0, profile.device, profile.held)
+        solver, held, freed = self._taking(profile, alternative)
         try:
             solved = self._solve_with(profile, solver, correction, held)
         except InfeasibleBudgetError as lower:
@@ -523,16 +517,31 @@ class Plan:
             )
             raise error from None
         del self.alternatives[: self.alternatives.index(alternative) + 1]  # it includes those before it
+        # the least part of it that the budget needs, where that is predicted faster than the whole
+        short = error.minimum_budget_bytes - (solved.budget_bytes - freed)
+        part = alternative.narrowed(short) if alternative.narrowed is not None and freed > 0 else None
+        weighed = ""
+        if part is not None:
+            part_solver, part_held, part_freed = self._taking(profile, part)
+            with contextlib.suppress(InfeasibleBudgetError):  # the whole is known to fit
+                narrow = self._solve_with(profile, part_solver, correction, part_held)
+                times = f"{narrow.planned_step_ns / 1e6:.1f} ms against {solved.planned_step_ns / 1e6:.1f} ms"
+                if narrow.planned_step_ns < solved.planned_step_ns:
+                    weighed = f" (predicted {times} for the whole)"
+                    alternative, solver, solved, freed = part, part_solver, narrow, part_freed
+                else:
+                    weighed = f" (the least part of it that meets the budget was predicted at {times})"
         corrected = "" if correction <= 1 else f" divided by a measured correction {correction:.3f}"
         off = f", takes {format_bytes(freed)} off the device outside the step" if freed else ""
         self.actions += (
-            f"{alternative.action}: beside what the loop held outside the step, the budget{corrected} left "
+            f"{alternative.action}{weighed}: beside what the loop held outside the step, the budget{corrected} left "
             f"{format_bytes(solved.budget_bytes - freed)} for it, below the loop's minimum {without}; it lowers "
             "the unplanned step's peak from "
             f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)}{off} "
             "and recomputes nothing",
         )
         profile.solver = solver
+        loop = solver.sim.loop
         if alternative.held is not None:  # what it leaves on the device, for every shape from now on
             for known in self._profiles.values():
                 known.held = None if known.held is None else alternative.held(known.held)
@@ -540,6 +549,18 @@ class Plan:
         alternative.adopt()
         log.warning("lightning_tbp: taking %s", self.actions[-1])
         return solved
+
+    def _taking(self, profile: _Profile, alternative: LoopAlternative) -> tuple[Solver, HeldMemory | None, int]:
+        """The solver of ``profile`` in the loop with ``alternative``, what training holds outside
+        the step then (None: as found), and what that takes off the device as the budget counts
+        it (a fraction does not: 0), by which its step budgets are larger."""
+        loop = alternative.loop(self.loop)
+        solver = self._solver(profile.trace, profile.solver.sim.loss_bytes, profile.alongside, loop)
+        held = None if alternative.held is None or profile.held is None else alternative.held(profile.held)
+        freed = 0
+        if held is not None:
+            freed = self.budget.resolve(0, profile.device, held) - self.budget.resolve(0, profile.device, profile.held)
+        return solver, held, freed
 
     def _solve_with(
         self, profile: _Profile, solver: Solver, correction: float, held: HeldMemory | None = None

@@ -427,6 +427,11 @@ def record_trace(
     for param in module.parameters():
         recorder.sid_of(param)
     trace.frozen_weights = frozen_weights(module, recorder.sid_of)
+    trace.trainable_weights = {
+        sid: name
+        for name, p in module.named_parameters()
+        if p.requires_grad and (sid := recorder.sid_of(p)) is not None
+    }
     for buf in module.buffers():
         recorder.sid_of(buf)
     for tensor in _tensors((args, kwargs)):

@@ -233,6 +233,9 @@ class SimulatedStep:
         self.parameter_steps = facts.parameter_grads_done if loop.step_in_backward else {}
         self.steps_in_backward = loop.step_in_backward
         self.parameter_step_ratio = loop.parameter_step_ratio
+        # parameters stepped on the host where only some are (``LoopModel.hosted_parameters``): no temporaries here
+        hosted = loop.hosted_parameters or frozenset()
+        self.host_stepped = {sid for sid, name in self.trace.trainable_weights.items() if name in hosted}
 
         trace = self.trace
         # a prefix shared with other plans (``shared_prefix.py``): the plain single-pass step only
@@ -959,7 +962,7 @@ class SimulatedStep:
         for sid in sids:
             if sid not in self.grads:
                 continue
-            temporaries = math.ceil(self.parameter_step_ratio * sizes[sid])
+            temporaries = 0 if sid in self.host_stepped else math.ceil(self.parameter_step_ratio * sizes[sid])
             self.mem += temporaries
             self.tick()
             self.mem -= temporaries

@@ -119,7 +119,9 @@ class LoopModel:
     ``host_state_bytes``: the optimizer's state and its step are on the host (it steps inside
     the backward, ``optim/host_state.py``): what it keeps there through the step (a copy of each
     trainable parameter and the state), for the host budget; ``host_step_ns`` the time of those
-    steps there, with the copies, in place of the device's."""
+    steps there, with the copies, in place of the device's. ``hosted_parameters``: the names (in
+    the planned module) of the parameters stepped there, the others stepped on the device with
+    ``parameter_step_ratio``'s temporaries (None: every parameter)."""
 
     gradients: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     optimizer_step_bytes: int = 0
@@ -128,6 +130,7 @@ class LoopModel:
     host_state_bytes: int = 0
     host_step_ns: float = 0.0
     optimizer_ns: float = 0.0
+    hosted_parameters: frozenset[str] | None = None
 
     def with_step_in_backward(self, parameter_step_ratio: float, optimizer_ns: float = 0.0) -> LoopModel:
         """This loop with the optimizer stepping inside the backward: no step's gradients outlive
@@ -139,11 +142,23 @@ class LoopModel:
             optimizer_ns=optimizer_ns,
         )
 
-    def with_state_on_host(self, host_state_bytes: int, host_step_ns: float, optimizer_ns: float = 0.0) -> LoopModel:
+    def with_state_on_host(
+        self,
+        host_state_bytes: int,
+        host_step_ns: float,
+        optimizer_ns: float = 0.0,
+        hosted: tuple[frozenset[str], float] | None = None,
+    ) -> LoopModel:
         """This loop with the optimizer stepping inside the backward on the host, its state there:
-        each gradient goes as it is complete, and the step's temporaries are the host's."""
+        each gradient goes as it is complete, and the step's temporaries are the host's.
+        ``hosted``: only the parameters of these names, the rest stepped on the device with this
+        ratio's temporaries (``host_step_ns`` the time of both)."""
+        names, ratio = hosted if hosted is not None else (None, 0.0)
         return replace(
-            self.with_step_in_backward(0.0, optimizer_ns), host_state_bytes=host_state_bytes, host_step_ns=host_step_ns
+            self.with_step_in_backward(ratio, optimizer_ns),
+            host_state_bytes=host_state_bytes,
+            host_step_ns=host_step_ns,
+            hosted_parameters=names,
         )
 
     @property
@@ -160,9 +175,11 @@ class LoopModel:
         held = " or ".join(cases[case] for case in PriorGradients if case in self.gradients)
         text = f"gradients alive at the forward: {held}"
         if self.host_state_bytes:
+            which = "each parameter" if self.hosted_parameters is None else f"{len(self.hosted_parameters)} parameters"
+            rest = "" if self.hosted_parameters is None else " (the others on the device)"
             text += (
-                "; the optimizer steps each parameter inside the backward on the host, where its state is "
-                f"({format_bytes(self.host_state_bytes)} with the weights' copies), and frees its gradient"
+                f"; the optimizer steps {which} inside the backward on the host, where its state is "
+                f"({format_bytes(self.host_state_bytes)} with the weights' copies){rest}, and frees its gradient"
             )
         elif self.step_in_backward:
             text += "; the optimizer steps each parameter inside the backward and frees its gradient"
@@ -211,7 +228,10 @@ class LoopAlternative:
     budget names what would meet it and what stands in the way; ``adopt`` switches the run to it
     (called once, before the step whose plan needs it runs its backward). ``held``: what it
     leaves on the device of what training holds outside the step (None: all of it);
-    ``host_tier``: it uses host memory, so a plan tries it only with the host tier."""
+    ``host_tier``: it uses host memory, so a plan tries it only with the host tier.
+    ``narrowed``: the same change for part of what it moves, the least that takes the given
+    bytes off the device outside the step (None: no part does), which a plan weighs against the
+    whole by predicted time."""
 
     action: str
     loop: Callable[[LoopModel], LoopModel]
@@ -219,6 +239,7 @@ class LoopAlternative:
     blocked: str | None = None
     held: Callable[[HeldMemory], HeldMemory] | None = None
     host_tier: bool = False
+    narrowed: Callable[[int], LoopAlternative | None] | None = None
 
 
 @dataclass

@@ -112,6 +112,9 @@ class Trace:
     # frozen parameters the host tier may stream, by storage: their names in the module
     # (``host_weights.streamable``); a storage under two names is not streamed
     frozen_weights: dict[int, str] = field(default_factory=dict)
+    # trainable parameters by storage: their names in the module (a loop that steps some of them
+    # on the host, ``LoopModel.hosted_parameters``)
+    trainable_weights: dict[int, str] = field(default_factory=dict)
     module_outputs: tuple[int, ...] = ()
     parameter_grad_bytes: int = 0
     overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)

@@ -56,6 +56,7 @@ from lightning_tbp.strategies.loop import (
     release_gradients_early,
 )
 from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
+from lightning_tbp.strategies.state_on_host import part_on_host
 from lightning_tbp.strategies.step_in_backward import StepInBackward, blockers
 
 
@@ -444,10 +445,15 @@ class TinyBackpropMixin:
                 costs.append(self._host_state_cost())
             return costs[0]
 
-        def adopt() -> None:
+        def adopt(hosted: list[torch.Tensor] | None = None) -> None:
             assert stepping is not None
             stepping.enable()
-            stepping.keep_state_on_host(self.master_dtype)
+            stepping.keep_state_on_host(self.master_dtype, hosted)
+
+        def narrowed(short: int) -> LoopAlternative | None:
+            if stepping is None or self.master_dtype is not None or self.plan is None:
+                return None  # float32 masters are all or none: a model's weights stepped alike
+            return part_on_host(self.optimizers[0], self.root_device, self.plan.module, adopt, short)
 
         return LoopAlternative(
             action="the optimizer's state and step on the host (host_tier)",
@@ -456,6 +462,7 @@ class TinyBackpropMixin:
             blocked="; ".join(blocked) if blocked else None,
             held=lambda held: dataclasses.replace(held, optimizer_state=0, optimizer_state_pending=0),
             host_tier=True,
+            narrowed=narrowed,
         )
 
     #: Whether a gradient autograd accumulates into ``.grad`` is the one to step on (not so where a

@@ -93,12 +93,14 @@ class StepInBackward:
         """Step inside the backward from the next backward on."""
         self.stepper.enabled = True
 
-    def keep_state_on_host(self, master_dtype: torch.dtype | None = None) -> None:
+    def keep_state_on_host(
+        self, master_dtype: torch.dtype | None = None, hosted: list[torch.Tensor] | None = None
+    ) -> None:
         """From the next step on, the optimizer's state lives on the host and each parameter is
         stepped there (:class:`~lightning_tbp.optim.host_state.HostOptimizerState`, with masters
-        of ``master_dtype`` for narrower float parameters)."""
+        of ``master_dtype`` for narrower float parameters); ``hosted``: only these parameters'."""
         if self.stepper.host is None:
-            self.stepper.host = HostOptimizerState(self.stepper.optimizer, master_dtype)
+            self.stepper.host = HostOptimizerState(self.stepper.optimizer, master_dtype, hosted)
             if master_dtype is not None:
                 _announce_masters(self.stepper.host)
 

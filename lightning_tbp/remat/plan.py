@@ -533,10 +533,16 @@ class Plan:
                     weighed = f" (the least part of it that meets the budget was predicted at {times})"
         corrected = "" if correction <= 1 else f" divided by a measured correction {correction:.3f}"
         off = f", takes {format_bytes(freed)} off the device outside the step" if freed else ""
+        left = solved.budget_bytes - freed
+        room = (
+            f"beside what the loop held outside the step, the budget{corrected} left {format_bytes(left)} for it, "
+            f"below the loop's minimum {without}"
+            if left >= 0
+            else f"the budget{corrected} was {format_bytes(-left)} short of what the loop held outside the step "
+            f"(the loop's minimum {without})"
+        )
         self.actions += (
-            f"{alternative.action}{weighed}: beside what the loop held outside the step, the budget{corrected} left "
-            f"{format_bytes(solved.budget_bytes - freed)} for it, below the loop's minimum {without}; it lowers "
-            "the unplanned step's peak from "
+            f"{alternative.action}{weighed}: {room}; it lowers the unplanned step's peak from "
             f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)}{off} "
             "and recomputes nothing",
         )

@@ -3,7 +3,8 @@
 Each setup builds a diffusers model at its real size from its published configuration (no
 weights, no hub), a batch of its real shapes and its optimizer (AdamW, or torchao's 8-bit
 AdamW), under fake tensors, with the optimizer stepped after the backward or each parameter
-inside it (``in_backward``), or DP-SGD's step (``dp``); the estimate gives the naive device peak
+inside it (``in_backward``), its state and step on the host (``state_on_host``; with float32
+masters of bf16 weights, ``masters``), or DP-SGD's step (``dp``); the estimate gives the naive device peak
 and the smallest device a plan reaches, so whether it fits 12/16/24/40/80 GiB as is, with a
 plan, or not at all. Every
 setup runs in this one process, one after the other; the script reports each estimate's wall

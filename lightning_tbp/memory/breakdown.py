@@ -99,12 +99,14 @@ def tensor_bytes(
     params = list(module.parameters())
     parameters = _storages_bytes(plain_tensors(params), device_type, seen)
     gradients = _storages_bytes((p.grad for p in params if p.grad is not None), device_type, seen)
-    optimizer_state = sum(
-        _storages_bytes(plain_tensors(state), device_type, seen)
-        for optimizer in optimizers
-        for param, state in optimizer.state.items()
-        if id(param) not in hosted_state(optimizer)  # the host tier's (``optim/host_state.py``)
-    )
+    optimizer_state = 0
+    for optimizer in optimizers:
+        hosted = hosted_state(optimizer)  # the host tier's (``optim/host_state.py``)
+        optimizer_state += sum(
+            _storages_bytes(plain_tensors(state), device_type, seen)
+            for param, state in optimizer.state.items()
+            if id(param) not in hosted
+        )
     return Breakdown(parameters, gradients, optimizer_state, dp_buffers=dp_buffers)
 
 

@@ -74,14 +74,7 @@ def host_bytes_with_masters(optimizer: Optimizer, master_dtype: torch.dtype) -> 
     """What the host will hold for ``optimizer`` with masters of ``master_dtype``: each trainable
     parameter's master and the state its first step makes in the master's dtype (asked before
     the state is made: with wider masters it is on the host from the first step)."""
-    trainable = [
-        (index, p, master_dtype_of(p, master_dtype))
-        for index, group in enumerate(optimizer.param_groups)
-        for p in group["params"]
-        if p.requires_grad
-    ]
-    masters = sum(p.numel() * dtype.itemsize for _, p, dtype in trainable)
-    return masters + state_bytes_to_come(optimizer, trainable)
+    return sum(hosting.host_bytes for hosting in hostings(optimizer, master_dtype))
 
 
 @dataclass(frozen=True)

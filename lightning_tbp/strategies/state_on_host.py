@@ -40,7 +40,8 @@ def part_on_host(
     if chosen is None or len(chosen) == len(candidates):
         return None
     hosted = [h.param for h in chosen]
-    kept = [h.param for h in candidates if not any(h.param is p for p in hosted)]
+    chosen_ids = {id(p) for p in hosted}
+    kept = [h.param for h in candidates if id(h.param) not in chosen_ids]
     names = {id(p): name for name, p in planned.named_parameters()}
     hosted_names = frozenset(names[id(p)] for p in hosted if id(p) in names)
     ratio = parameter_step_ratio([optimizer], device)

@@ -165,8 +165,9 @@ def test_streamed_weights_on_cuda_leave_the_device_and_hold_the_budget(record_pr
 
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
 def test_a_dp_lora_step_on_cuda_streams_its_base_and_holds_the_budget(mode: str, record_property) -> None:
-    """DP on a Flux-style LoRA whose frozen base streams from pinned host memory: the engine
-    reads no streamed weight off the device (its taps, bookkeeping's replays), the step holds
+    """DP on a Flux-style LoRA whose frozen base streams from pinned host memory (activations
+    may be offloaded too): the engine reads no streamed weight off the device (its taps,
+    bookkeeping's replays, offloaded saves copied back in each pass), the step holds
     the budget and the prediction within 5%, and the clipped gradients are the unplanned DP
     step's."""
     from lightning_tbp import InfeasibleBudgetError
@@ -195,7 +196,6 @@ def test_a_dp_lora_step_on_cuda_streams_its_base_and_holds_the_budget(mode: str,
         device_only = error.value.minimum_budget_bytes
         plan = rematerialize(model, *case.args, memory_budget=device_only // 2, host_tier="on", **case.kwargs)
         assert Option.STREAM in plan.current.options.values()
-        assert Option.OFFLOAD not in plan.current.options.values()
         verdict = plan.verify(step)
         record_property("verdict", verdict.describe())
         assert verdict.within_budget, verdict

@@ -280,8 +280,8 @@ def test_dp_step_naive_peak_within_five_percent(mode: str, name: str) -> None:
 
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
 def test_a_dp_lora_step_is_estimated_with_its_base_streamed(mode: str) -> None:
-    """With the host tier a DP step's plan streams the frozen base (and offloads no activations,
-    which a DP step cannot bring back twice): a smaller device than on the device alone."""
+    """With the host tier a DP step's plan streams the frozen base (and may offload activations,
+    copied back in each backward pass): a smaller device than on the device alone."""
     alone = estimate_step(_dp_lora_step("flux", mode), device=CPU)
     hosted = estimate_step(_dp_lora_step("flux", mode), device=CPU, host_tier=True)
     assert hosted.step_model == f"dp:{mode}"

@@ -51,7 +51,7 @@ from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
-from lightning_tbp.remat.step import LoopModel, PriorGradients, offload_blocker, step_model_for
+from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
 from lightning_tbp.remat.trace import Trace
 
 
@@ -318,12 +318,10 @@ def estimate_step(
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
-    # a step that backpropagates more than once (DP) streams frozen weights but offloads no activations
-    offload = host_tier and offload_blocker(step_model.name, step_model.backward_passes) is None
     solver = Solver(
         Simulator(trace, step_model, loop=loop),
         selective=step_model.backward_passes == 1,
-        offload=offload,
+        offload=host_tier,
         stream=host_tier,
     )
     target_naive = solver.naive().peak_bytes

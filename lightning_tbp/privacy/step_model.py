@@ -158,7 +158,7 @@ class TapEffects(StepEffects):
             step.wrote_parameter_gradients(tap.parameter_bytes)  # the rerun writes its clipped sum into them
         if not (self._pass().books_taps and not self.deferring and tap.output_sid in step.grads):
             return False
-        if rebuilt:  # a lazy block's saved input, rebuilt for this backward, now stays in the book
+        if rebuilt:  # a saved input rebuilt (lazy) or copied back (offloaded) for this backward stays in the book
             kept = step.new_storage(rebuilt)
             step.alive.add(kept)
             step.mem += rebuilt

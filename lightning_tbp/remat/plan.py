@@ -68,7 +68,6 @@ from lightning_tbp.remat.step import (
     Alongside,
     LoopAlternative,
     LoopModel,
-    offload_blocker,
     step_model_for,
 )
 from lightning_tbp.remat.trace import Trace
@@ -151,7 +150,7 @@ class Plan:
         per block by predicted time like recomputation; ``"auto"`` only once a budget cannot be
         met on the device alone (the report says so); ``"off"`` keeps every byte on the device.
         A step whose graph is backpropagated more than once (a DP engine's, which also probes its
-        first graph) streams weights but offloads no activations: a host copy comes back once.
+        first graph) brings an offloaded save back in each pass; its host copy stays until the last.
         ``host_budget_bytes``: the most plans may keep on the host at once (None: a share of the
         host memory available when a plan is made, ``host_tier.default_host_budget``).
         ``max_slowdown``: the most times slower than without a plan a step may be predicted to
@@ -313,8 +312,7 @@ class Plan:
         if host or loop.host_state_bytes:  # the optimizer's state there counts against it too
             host_budget = default_host_budget() if self.host_budget_bytes is None else self.host_budget_bytes
         simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside, host_budget)
-        offload = host and self._offload_blocker() is None
-        return Solver(simulator, selective=self._selective(), offload=offload, stream=host)
+        return Solver(simulator, selective=self._selective(), offload=host, stream=host)
 
     def set_loop(self, loop: LoopModel) -> None:
         """Plan for another training loop from now on: every shape planned so far is solved
@@ -438,12 +436,6 @@ class Plan:
                     error = still  # its notes say what this one would reach
             raise error from None
 
-    def _offload_blocker(self) -> str | None:
-        """Why plans may not offload saved activations to the host here (None: they may); they
-        may stream frozen weights in any step."""
-        step = step_model_for(self.module)
-        return offload_blocker(step.name, max(self.backward_passes, step.backward_passes))
-
     def _may_take_host_tier(self) -> bool:
         return self.host_tier == "auto" and not self._host_tier_used
 
@@ -457,10 +449,6 @@ class Plan:
             self._host_tier_used = False
             profile.solver = device_only
             if lower.minimum_budget_bytes >= error.minimum_budget_bytes:
-                if (blocker := self._offload_blocker()) is not None:
-                    error.add_note(
-                        f"the host tier reaches no lower here: it may stream frozen weights only ({blocker})"
-                    )
                 raise error from None
             lower.add_note(
                 f"that minimum is with the host tier (host_tier='auto'); on the device alone "
@@ -469,12 +457,7 @@ class Plan:
             raise lower from None
         # against what was held outside the step on the device alone (an alternative it took may hold less)
         shift = 0 if held is None or solved.held is None else held.total - solved.held.total
-        blocker = self._offload_blocker()
-        may = (
-            "stream blocks' frozen weights from host memory" + f" (not offload activations: {blocker})"
-            if blocker is not None
-            else "offload blocks' saved activations to host memory and stream their frozen weights from it"
-        )
+        may = "offload blocks' saved activations to host memory and stream their frozen weights from it"
         self._host_tier_action = (
             f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes - shift)} is "
             f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",

@@ -109,7 +109,7 @@ class StepEffects:
 
     * ``backward_transient``: bytes the effects allocate, briefly, at a noted event's backward.
     * ``take_saves``: whether they keep a noted event's saves (``holds``) past its backward;
-      ``rebuilt``: bytes a lazy block rebuilt for that backward.
+      ``rebuilt``: bytes a lazy block rebuilt, or an offloaded one copied back, for that backward.
     * ``defer_block`` / ``deferred_block_done``: whether a checkpointed block's backward is
       deferred (its inputs stay: the effects run it again later), and its backward ended.
     * ``end_pass``: the pass's backward is done; before the ledger frees its leftover gradients.
@@ -499,11 +499,18 @@ class SimulatedStep:
 
     def unpacked(self, event: int) -> int:
         """Bytes ``event``'s backward copies back from the host (each save its own copy); its host
-        copies go after it, unless a retained pass needs them again."""
+        copies go after it, unless a retained pass needs them again, which copies them back once
+        more (one way of the round trip :meth:`offload` charged)."""
         sids = self.offloaded.get(event)
         if not sids:
             return 0
-        if not self.pass_.retains_graph:
+        nbytes = sum(self.facts.sizes[sid] for sid in sids)
+        if self.pass_.retains_graph:
+            overheads = self.trace.overheads
+            self.charge(
+                Option.OFFLOAD, 0.5 * (nbytes * overheads.offload_ns_per_byte + len(sids) * overheads.offload_save_ns)
+            )
+        else:
             del self.offloaded[event]
             block = self.host_block.pop(event)
             for sid in sids:
@@ -512,7 +519,7 @@ class SimulatedStep:
                 if not self.host_refs[key]:
                     del self.host_refs[key]
                     self.host -= self.facts.sizes[sid]
-        return sum(self.facts.sizes[sid] for sid in sids)
+        return nbytes
 
     def context(self, node: int, region: int) -> int:
         """``options.checkpoint_context`` under this plan, memoised: every event asks it, often more than once."""
@@ -940,7 +947,7 @@ class SimulatedStep:
         holds = self.event_holds.pop(event, [])
         recomputed = event in self.recomputed_holds
         self.recomputed_holds.discard(event)
-        taken = event_facts.noted and self.effects.take_saves(event, holds, rebuilt)
+        taken = event_facts.noted and self.effects.take_saves(event, holds, rebuilt + unpacked)
         if not taken and holds and (kept := self.release_or_retain(holds, recomputed)):
             self.event_holds[event] = kept
         self.mem -= merged  # the pieces die with the view op's backward

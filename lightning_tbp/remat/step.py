@@ -76,17 +76,6 @@ class StepModel:
 PLAIN_STEP = StepModel()
 
 
-def offload_blocker(step: str, backward_passes: int) -> str | None:
-    """Why a step named ``step`` that backpropagates its graph ``backward_passes`` times may not
-    offload saved activations (None: it may)."""
-    if backward_passes == 1:
-        return None
-    return (
-        f"the step is {step!r} with {backward_passes} backward passes, and offloaded activations come back once, "
-        "for a single backward"
-    )
-
-
 class PriorGradients(Enum):
     """Which parameter gradients a training loop holds when a step's forward starts."""
 

@@ -7,6 +7,7 @@ reach with the state on the device, the planner taking it by itself."""
 from __future__ import annotations
 
 import gc
+import warnings
 from typing import Any
 
 import lightning as L
@@ -121,9 +122,9 @@ def _three_steps(
     strategy: TinyBackpropStrategy | None = None,
     ckpt_path: str | None = None,
     **trainer_options: Any,
-) -> None:
+) -> L.Trainer:
     """A fit of three steps (or ``max_steps``) on one CPU, seeded, with no logs or checkpoints
-    unless ``trainer_options`` ask for them."""
+    unless ``trainer_options`` ask for them; returns its trainer."""
     torch.manual_seed(0)
     options = {
         "accelerator": "cpu",
@@ -134,7 +135,9 @@ def _three_steps(
         "enable_progress_bar": False,
         "enable_model_summary": False,
     }
-    L.Trainer(strategy=strategy or "auto", **{**options, **trainer_options}).fit(module, loader, ckpt_path=ckpt_path)
+    trainer = L.Trainer(strategy=strategy or "auto", **{**options, **trainer_options})
+    trainer.fit(module, loader, ckpt_path=ckpt_path)
+    return trainer
 
 
 def _assert_ends_as_the_plain_fit(module: L.LightningModule, name: str, loader: DataLoader) -> None:
@@ -313,7 +316,35 @@ def test_fp32_masters_step_a_bf16_model_as_a_float32_optimizer_over_its_widened_
     # the masters hold what bf16 cannot: some differ from their weights widened
     assert any(not torch.equal(m, p.float()) for m, p in zip(reference_masters, model.parameters(), strict=True))
     stepper.remove()
-    assert all("lightning_tbp_master" not in s for s in optimizer.state.values())  # the weights are the parameters
+    # the masters stay with the state, so a checkpoint saved after training carries them
+    kept = [optimizer.state[p]["lightning_tbp_master"] for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(kept, reference_masters, strict=True))
+
+
+def test_masters_that_no_longer_round_to_the_weights_are_dropped_with_a_warning() -> None:
+    """Masters left in the state by an earlier run go on in the next run over the same optimizer;
+    once the weights moved without them, they are stale: dropped, said, and the run goes on from
+    the weights."""
+    lr = 1e-4
+    model, optimizer, stepper = _hosted_with_masters(lr)
+    _hosted_steps(model, stepper, range(2))
+    stepper.remove()
+    again = OptimizerInBackward(optimizer)
+    again.host = HostOptimizerState(optimizer, master_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # fresh masters: nothing dropped
+        _hosted_steps(model, again, range(2, 3))
+    again.remove()
+    with torch.no_grad():  # the weights move without the masters (say, other weights loaded)
+        for param in model.parameters():
+            param.mul_(1.5)
+    stale = OptimizerInBackward(optimizer)
+    stale.host = HostOptimizerState(optimizer, master_dtype=torch.float32)
+    with pytest.warns(UserWarning, match="masters are dropped: they do not round to the weights"):
+        _hosted_steps(model, stale, range(3, 4))
+    assert stale.host is not None
+    for param, master in zip(model.parameters(), optimizer.param_groups[0]["params"], strict=True):
+        assert torch.equal(master.to(param.dtype), param)  # stepped from the weights, not the stale masters
 
 
 def test_a_checkpoint_carries_the_fp32_masters_and_a_resumed_run_goes_on_bitwise() -> None:
@@ -452,9 +483,10 @@ class _Mlp(L.LightningModule):
 
 @pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")
 def test_a_bf16_fit_resumed_from_its_checkpoint_goes_on_from_the_fp32_masters(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Saved by ``ModelCheckpoint`` after two steps and resumed to six: the weights of six steps
-    straight, bit for bit. Resumed without the option, the masters are dropped with a warning
-    (not loaded onto the device as state) and the run goes on from the rounded weights."""
+    """Saved by ``ModelCheckpoint`` after two steps, or by ``trainer.save_checkpoint`` once a
+    two-step fit ended, and resumed to six: the weights of six steps straight, bit for bit.
+    Resumed without the option, the masters are dropped with a warning (not loaded onto the
+    device as state) and the run goes on from the rounded weights."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     data = TensorDataset(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), torch.randn(4, 1))
@@ -465,15 +497,18 @@ def test_a_bf16_fit_resumed_from_its_checkpoint_goes_on_from_the_fp32_masters(tm
         saving = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)] if save else []
         strategy = TinyBackpropStrategy(memory_budget=None, fp32_master_weights=masters)
         options = {"precision": "bf16-true", "max_steps": steps, "enable_checkpointing": save, "callbacks": saving}
-        _three_steps(module, loader, strategy, ckpt_path, **options)
+        trainer = _three_steps(module, loader, strategy, ckpt_path, **options)
+        if save:
+            trainer.save_checkpoint(tmp_path / "ended.ckpt")
         return module
 
     straight = fit(6, masters=True)
     fit(2, masters=True, save=True)
     (saved,) = tmp_path.glob("*step=2.ckpt")
-    assert "lightning_tbp_master" in torch.load(saved, weights_only=False)["optimizer_states"][0]["state"][0]
-    resumed = fit(6, masters=True, ckpt_path=str(saved))
-    assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
+    for checkpoint in (saved, tmp_path / "ended.ckpt"):
+        assert "lightning_tbp_master" in torch.load(checkpoint, weights_only=False)["optimizer_states"][0]["state"][0]
+        resumed = fit(6, masters=True, ckpt_path=str(checkpoint))
+        assert all(torch.equal(a, b) for a, b in zip(straight.parameters(), resumed.parameters(), strict=True))
     with pytest.warns(UserWarning, match="float32 masters of 4 parameters, which this run drops"):
         rounded = fit(6, masters=False, ckpt_path=str(saved))
     assert not all(torch.equal(a, b) for a, b in zip(straight.parameters(), rounded.parameters(), strict=True))

@@ -21,7 +21,9 @@ optimizer over masters widened from the parameters (``tests/test_host_optimizer.
 that is not the parameter's dtype is kept in its own state under :data:`MASTER_KEY` (the same
 tensor, no copy), so that checkpoints carry it and a resumed run goes on from the float32 values,
 not from the rounded weights; it is put there after the first step made the state (an optimizer
-makes its state where it finds none).
+makes its state where it finds none), and stays there when training ends, so a checkpoint saved
+after it carries the masters too. A master brought back that does not round to the weights as
+they are (they moved without it) is stale: dropped, with a warning.
 
 The host step runs on a worker thread. On CUDA it overlaps the backward (each step is queued and
 the block waits for all of them as it ends; the copy back is ordered after the kernels that read
@@ -38,6 +40,7 @@ teardown), so a later ``step()`` on the device needs it moved first.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,6 +157,7 @@ class HostOptimizerState:
         self._masters: dict[int, torch.Tensor] = {}  # id(device parameter) -> its master
         self._devices: list[tuple[torch.Tensor, torch.Tensor]] = []  # (device parameter, master)
         self._state_counted: set[int] = set()  # masters whose state ``host_use`` counts
+        self._masters_dropped = False  # warned once
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="lightning_tbp-host-step")
         self._pending: list[Future[None]] = []
         self.overlapped = False
@@ -215,7 +219,9 @@ class HostOptimizerState:
             job.result()
 
     def remove(self) -> None:
-        """Give the groups their device parameters back (the state stays in host memory)."""
+        """Give the groups their device parameters back (the state stays in host memory, float32
+        masters with it: a checkpoint saved after training ended carries them, as one saved
+        during it does)."""
         self.wait()
         self._worker.shutdown()
         back = {id(master): param for param, master in self._devices}
@@ -224,7 +230,6 @@ class HostOptimizerState:
         for param, master in self._devices:
             state = self.optimizer.state.pop(master, None)
             if state is not None:
-                state.pop(MASTER_KEY, None)  # the masters go with the host; the weights are the parameters
                 self.optimizer.state[param] = state
         self._devices.clear()
         self._masters.clear()
@@ -238,6 +243,7 @@ class HostOptimizerState:
             self._pending.append(future)
 
     def _step_master(self, param: torch.Tensor, master: torch.Tensor, grad: torch.Tensor, group_index: int) -> None:
+        self._take_restored_master(param, master)
         self._state_to_host(master)
         master.grad = grad.to(master.dtype)  # widened where the master is wider (else the same tensor)
         try:
@@ -257,10 +263,6 @@ class HostOptimizerState:
         state = self.optimizer.state.get(master)
         if not state:
             return
-        restored = state.get(MASTER_KEY)
-        if restored is not None and restored is not master:  # a checkpoint's master (cast and moved by its loading)
-            master.copy_(restored)
-            state[MASTER_KEY] = master
         for key, value in state.items():
             if key == MASTER_KEY:
                 continue
@@ -275,6 +277,32 @@ class HostOptimizerState:
                 nbytes = tensor.numel() * tensor.element_size()
                 host_use.allocated(nbytes)
                 weakref.finalize(tensor, host_use.freed, nbytes)
+
+    def _take_restored_master(self, param: torch.Tensor, master: torch.Tensor) -> None:
+        """Go on from a master the state brought (a checkpoint's, cast and moved by its loading, or
+        an earlier run's over the same optimizer) where this run keeps masters and it rounds to
+        the weights as they are; else drop it, saying why once."""
+        state = self.optimizer.state.get(master)
+        restored = state.get(MASTER_KEY) if state else None
+        if restored is None or restored is master:
+            return
+        assert state is not None
+        del state[MASTER_KEY]
+        if master.dtype == param.dtype:
+            why = "this run keeps none (master_dtype=None)"
+        elif not torch.equal(restored.to(param.dtype), param.detach().to(restored.device)):
+            why = "they do not round to the weights (trained on after the masters were saved)"
+        else:
+            master.copy_(restored)
+            state[MASTER_KEY] = master
+            return
+        if not self._masters_dropped:
+            self._masters_dropped = True
+            warnings.warn(
+                f"lightning_tbp: the optimizer state's float32 masters are dropped: {why}; training goes "
+                "on from the weights",
+                stacklevel=2,
+            )
 
 
 def _own_tensors(state: dict) -> Iterator[torch.Tensor]:

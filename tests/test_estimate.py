@@ -183,6 +183,27 @@ def test_the_optimizer_state_on_the_host_is_estimated_within_five_percent() -> N
     )
 
 
+def test_part_of_the_optimizer_state_on_the_host_is_estimated_within_five_percent() -> None:
+    """The state and step on the host for the three parameters with the most state only, the
+    rest stepped on the device: the device total against the same step measured exactly, the
+    device keeping the others' state, the host step shorter than the whole's, the report saying
+    how many."""
+    build = _zoo_step("dit")
+    on_device = estimate_step(build, device=CPU, step_in_backward=True, minimum=False)
+    by_name = on_device.state_bytes_by_parameter
+    largest = sorted(by_name, key=lambda name: by_name[name], reverse=True)[:3]
+    options = {"device": CPU, "minimum": False, "step_in_backward": True, "state_on_host": True}
+    part = estimate_step(build, hosted=largest, **options)
+    measured = measure_step(build, step_in_backward=True, state_on_host=True, hosted=largest)
+    assert abs(part.naive_peak_bytes / measured.peak_bytes - 1) <= TOLERANCE, (part.naive_peak_bytes, measured)
+    assert part.optimizer_state_bytes == on_device.optimizer_state_bytes - sum(by_name[n] for n in largest)
+    assert part.host_parameters == (3, len(by_name)) and "for 3 of" in format_estimate(part)
+    whole = estimate_step(build, **options)
+    assert whole.host_parameters is None and 0 < part.host_step_seconds < whole.host_step_seconds
+    with pytest.raises(ValueError, match="does not train"):
+        estimate_step(build, hosted=["no.such.weight"], **options)
+
+
 def test_fp32_masters_on_the_host_are_estimated_as_the_host_counts_them() -> None:
     """A bf16 model with float32 masters (``fp32_master_weights``): the host bytes the estimate
     names are those the host state holds after a step; the device's total is the same as
@@ -257,6 +278,33 @@ def test_a_config_that_does_not_fit_on_the_device_alone_is_estimated_with_the_ho
     assert off.with_host_tier is None
     forced = estimate_config(["-c", config, "--trainer.strategy.init_args.optimizer_state_on_host=true"])
     assert forced.step_in_backward and forced.host_state_bytes > 0 and forced.optimizer_state_bytes == 0
+
+
+@pytest.mark.slow
+def test_a_config_short_of_a_little_is_estimated_with_part_of_the_state_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A device a quarter of the optimizer's state short of what the host tier reaches with the
+    state on the device: as the strategy does, the estimate hosts the fewest parameters' state
+    (most first) that covers it rather than all of it, where that is faster (the host's step priced
+    1000x slower here, so that it is), and the report says how many."""
+    from lightning_tbp.estimate import step as estimate_module
+
+    config = str(ROOT / "configs" / "ddpm_unet_tiny.yaml")
+    on_device = ["-c", config, "--trainer.strategy.init_args.optimizer_state_on_host=false"]
+    lowest = estimate_config(on_device, device_memory=1 << 20).with_host_tier
+    assert lowest is not None and lowest.minimum_device_bytes is not None
+    device_memory = lowest.minimum_device_bytes - lowest.optimizer_state_bytes // 4
+    rate = estimate_module.host_optimizer_ns_per_byte
+    monkeypatch.setattr(estimate_module, "host_optimizer_ns_per_byte", lambda *a, **k: 1000 * rate(*a, **k))
+    estimate = estimate_config(["-c", config], device_memory=device_memory, minimum=False)
+    part = estimate.with_host_tier
+    assert part is not None and part.fit is not None and part.fit.fits_with_plan
+    assert part.host_parameters is not None
+    hosted, trainable = part.host_parameters
+    assert 0 < hosted < trainable and 0 < part.optimizer_state_bytes < lowest.optimizer_state_bytes
+    assert f"for {hosted} of {trainable} parameters" in format_estimate(estimate)
+    assert estimate_dict(estimate)["with_host_tier"]["host_parameters"] == [hosted, trainable]
 
 
 def test_a_step_that_reads_tensor_values_is_refused_naming_the_line() -> None:

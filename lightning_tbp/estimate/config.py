@@ -9,8 +9,9 @@ datamodules have one), the precision from the Trainer, the planned target and th
 
 from __future__ import annotations
 
+import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -21,6 +22,7 @@ from lightning_tbp.estimate.layout import Layout
 from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
 from lightning_tbp.lightning_cli import run_lightning_cli
+from lightning_tbp.optim.host_state import fewest_covering
 from lightning_tbp.remat.step import PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
 from lightning_tbp.strategies.step_in_backward import blockers
@@ -150,18 +152,18 @@ def estimate_config(
     if host_mode == "on" or (host_mode == "auto" and still_out):
         # what the planner would take on top: saved activations offloaded to host memory and
         # frozen weights streamed from it, and after that the optimizer's state and step there
+        with_host_tier = functools.partial(
+            estimate_step, build, device=device, device_memory=device_memory, minimum=minimum, host_tier=True
+        )
+        state_on_device: StepEstimate | None = None
         for state_on_host in (False, True) if fused and state_mode == "auto" else (False,):
-            estimate.with_host_tier = estimate_step(
-                build,
-                device=device,
-                device_memory=device_memory,
-                minimum=minimum,
-                step_in_backward=fused,
-                host_tier=True,
-                state_on_host=state_on_host,
-            )
+            estimate.with_host_tier = with_host_tier(step_in_backward=fused, state_on_host=state_on_host)
             if estimate.fit is None or _fits(estimate.with_host_tier):
                 break
+            state_on_device = estimate.with_host_tier
+        whole = estimate.with_host_tier
+        if state_on_device is not None and whole is not None and whole.host_state_bytes and _fits(whole):
+            estimate.with_host_tier = _part_on_host(with_host_tier, state_on_device, whole)
     if estimate.device == "cuda" and any(mixed):
         warnings.warn(
             "mixed precision on CUDA is estimated with CPU autocast's op lists, which keep group norm, layer norm "
@@ -170,6 +172,24 @@ def estimate_config(
             stacklevel=2,
         )
     return estimate
+
+
+def _part_on_host(
+    with_host_tier: Callable[..., StepEstimate], state_on_device: StepEstimate, whole: StepEstimate
+) -> StepEstimate:
+    """What the strategy takes where the optimizer's state on the host makes the step fit: the
+    state of the fewest parameters (most state first) that covers what the device lacked with it
+    all on the device, or all of it, whichever fits and is predicted faster
+    (``strategies/state_on_host.py``). ``with_host_tier``: ``estimate_step`` for this config and
+    device, with the host tier."""
+    short = state_on_device.fit.short_bytes if state_on_device.fit is not None else None
+    sizes = state_on_device.state_bytes_by_parameter
+    names = list(sizes)
+    chosen = None if short is None else fewest_covering([sizes[name] for name in names], short)
+    if chosen is None or len(chosen) == len(names):
+        return whole
+    part = with_host_tier(step_in_backward=True, state_on_host=True, hosted=[names[i] for i in chosen])
+    return part if _fits(part) and part.total_step_seconds < whole.total_step_seconds else whole
 
 
 def _fits(estimate: StepEstimate) -> bool:

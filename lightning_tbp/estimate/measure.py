@@ -9,7 +9,7 @@ optimizer state, batch) plus the metered peak. Only for steps that fit on this m
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,21 +34,36 @@ class MeasuredStep:
 
 
 def measure_step(
-    build: Callable[[], TrainingStep], device: str = "cpu", step_in_backward: bool = False, state_on_host: bool = False
+    build: Callable[[], TrainingStep],
+    device: str = "cpu",
+    step_in_backward: bool = False,
+    state_on_host: bool = False,
+    hosted: Collection[str] | None = None,
 ) -> MeasuredStep:
     """``step_in_backward``: the metered step steps each parameter inside its backward;
     ``state_on_host``: there, on the host, where the optimizer's state then is (with
-    ``step_in_backward``; ``optim/host_state.py``)."""
+    ``step_in_backward``; ``optim/host_state.py``), for the target's parameters of these names
+    only with ``hosted``."""
     step = build()
     step.optimizer_step(step.forward_backward)
     clear_grads(step)
     parameters, seen = module_state_bytes(step.modules, 1)
     stepper = OptimizerInBackward(step.optimizers[0]) if step_in_backward else None
-    if stepper is not None and state_on_host:
-        stepper.host = HostOptimizerState(stepper.optimizer)
+    chosen = None if hosted is None else [p for n, p in step.target.named_parameters() if n in hosted]
+    on_host = {id(p) for o in step.optimizers for p in o.state} if chosen is None else {id(p) for p in chosen}
     state = storage_bytes(
-        (t for o in step.optimizers if not state_on_host for s in o.state.values() for t in plain_tensors(s)), 1, seen
+        (
+            t
+            for o in step.optimizers
+            for p, s in o.state.items()
+            if not (state_on_host and id(p) in on_host)
+            for t in plain_tensors(s)
+        ),
+        1,
+        seen,
     )
+    if stepper is not None and state_on_host:
+        stepper.host = HostOptimizerState(stepper.optimizer, hosted=chosen)
     batch = storage_bytes((t for t in tree_flatten(step.batch)[0] if isinstance(t, torch.Tensor)), 1, seen)
 
     def closure() -> Any:

@@ -53,6 +53,7 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
         "minimum_plan_host_bytes": estimate.minimum_plan_host_bytes,
         "host_state_bytes": estimate.host_state_bytes,
         "host_master_dtype": estimate.host_master_dtype,
+        "host_parameters": None if estimate.host_parameters is None else list(estimate.host_parameters),
         "host_step_seconds": estimate.host_step_seconds,
         "step_seconds": estimate.step_seconds,
         "host_slowdown": estimate.host_slowdown,
@@ -106,7 +107,7 @@ def format_estimate(estimate: StepEstimate) -> str:
     if hosted is not None:
         inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
         if hosted.host_state_bytes:
-            inside = ", the optimizer's state and step there"
+            inside = ", the optimizer's state and step there" + (" for part of it" if hosted.host_parameters else "")
         lines.append(
             "with the host tier (saved activations offloaded to host memory where the plan chooses"
             f"{inside}; host_tier='auto' takes it by itself): naive peak {format_bytes(hosted.naive_peak_bytes)}"
@@ -143,8 +144,12 @@ def _host_state_line(estimate: StepEstimate) -> str:
         if estimate.host_master_dtype
         else "trainable weights' copies"
     )
+    part = ""
+    if estimate.host_parameters is not None:
+        hosted, trainable = estimate.host_parameters
+        part = f" for {hosted} of {trainable} parameters (those with the most state; the rest step on the device)"
     return (
-        f"  the optimizer's state and step on the host: {format_bytes(estimate.host_state_bytes)} there with the "
+        f"  the optimizer's state and step on the host{part}: {format_bytes(estimate.host_state_bytes)} there with the "
         f"{copies}; ~{estimate.host_step_seconds:.2f} s a step for the copies (at the modelled "
         f"link rate) and the step (at this machine's CPU rate), against ~{estimate.step_seconds:.2f} s for the "
         f"unplanned step on the device: {slowdown:.1f}x{refused}"

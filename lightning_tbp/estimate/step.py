@@ -30,7 +30,7 @@ import dataclasses
 import gc
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +123,7 @@ class PlanFit:
     recompute_flop_ratio: float | None = None
     planned_blocks: int = 0
     host_peak_bytes: int = 0  # what the plan keeps on the host tier at once
+    short_bytes: int | None = None  # where no plan fits: what the device lacks for the lowest one
     reason: str = ""
 
 
@@ -162,7 +163,18 @@ class StepEstimate:
     host_state_bytes: int = 0
     host_step_seconds: float = 0.0
     host_master_dtype: str | None = None  # the masters' dtype where wider than the weights' (``fp32_master_weights``)
+    host_parameters: tuple[int, int] | None = None  # (hosted, trainable) where only part of the state is there
     step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
+    # the device's optimizer state per trainable parameter of the target, by name (what hosting
+    # a part takes off the device; not in the JSON)
+    state_bytes_by_parameter: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_step_seconds(self) -> float:
+        """The step's predicted time on the device model with the plan that fits (its
+        recomputation) and the optimizer's step on the host; the unplanned step where none fits."""
+        recompute = self.fit.recompute_time_ratio if self.fit is not None and self.fit.recompute_time_ratio else 0.0
+        return self.step_seconds * (1 + recompute) + self.host_step_seconds
 
     @property
     def host_slowdown(self) -> float:
@@ -197,18 +209,20 @@ class StepEstimate:
 
 
 def _host_state(
-    optimizers: Sequence[torch.optim.Optimizer], trainable: Sequence[torch.Tensor], master_dtype: torch.dtype | None
+    optimizers: Sequence[torch.optim.Optimizer], hosted: Sequence[torch.Tensor], master_dtype: torch.dtype | None
 ) -> tuple[int, int]:
-    """The masters' bytes on the host, and theirs with the optimizer's state: a master per trainable
-    weight (of ``master_dtype`` where that is wider), and the state the (fake) step made, its
-    tensors of a widened weight's dtype widened with it (torch's optimizers make their state like
-    the parameter: stepped on the master, it is the master's dtype)."""
-    widened = {id(p): master_dtype_of(p, master_dtype) for p in trainable}
-    masters = sum(p.numel() * widened[id(p)].itemsize for p in {id(p): p for p in trainable}.values())
+    """The masters' bytes on the host, and theirs with the optimizer's state: a master per hosted
+    weight (of ``master_dtype`` where that is wider), and the state the (fake) step made for it,
+    its tensors of a widened weight's dtype widened with it (torch's optimizers make their state
+    like the parameter: stepped on the master, it is the master's dtype)."""
+    widened = {id(p): master_dtype_of(p, master_dtype) for p in hosted}
+    masters = sum(p.numel() * widened[id(p)].itemsize for p in {id(p): p for p in hosted}.values())
     state = 0
     for optimizer in optimizers:
         for param, param_state in optimizer.state.items():
-            dtype = widened.get(id(param), param.dtype)
+            if id(param) not in widened:
+                continue
+            dtype = widened[id(param)]
             for tensor in plain_tensors(param_state):
                 itemsize = dtype.itemsize if tensor.dtype == param.dtype else tensor.element_size()
                 state += tensor.numel() * itemsize
@@ -225,6 +239,7 @@ def estimate_step(
     host_tier: bool = False,
     state_on_host: bool = False,
     master_dtype: torch.dtype | None = None,
+    hosted: Collection[str] | None = None,
 ) -> StepEstimate:
     """Estimate the training step that ``build`` makes (called under fake tensors).
 
@@ -239,7 +254,9 @@ def estimate_step(
     host too (``optim/host_state.py``; with ``step_in_backward`` and ``host_tier``), its time the
     copies at the link rate and the step at this machine's CPU rate; ``master_dtype`` (with
     ``state_on_host``): narrower float weights get masters of that dtype there, their state made
-    in it (``fp32_master_weights``).
+    in it (``fp32_master_weights``); ``hosted`` (with ``state_on_host``): the names (in the
+    target) of the only parameters whose state and step are there, the others stepped on the
+    device inside the backward (``strategies/state_on_host.py``; None: every trainable one).
 
     The step is estimated in each case of its loop (``TrainingStep.gradients_at_forward``): from
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
@@ -299,20 +316,46 @@ def estimate_step(
             if stepper is not None:
                 stepper.remove()
         step_model = step_model_for(step.target)
+    trainable_names = {id(p): name for name, p in step.target.named_parameters() if p.requires_grad}
+    state_by_name = {
+        trainable_names[id(param)]: storage_bytes(plain_tensors(state), model.allocation_rounding, set())
+        for optimizer in step.optimizers
+        for param, state in optimizer.state.items()
+        if id(param) in trainable_names
+    }
     host_state_bytes, host_step_seconds = 0, 0.0
+    on_host: list[nn.Parameter] = []
     if state_on_host:
         if not step_in_backward:
             raise ValueError(
                 "state_on_host steps each parameter on the host inside the backward: pass step_in_backward"
             )
-        trainable_bytes = storage_bytes(trainable, model.allocation_rounding, set())
-        master_bytes, host_state_bytes = _host_state(step.optimizers, trainable, master_dtype)
-        host_ns = trainable_bytes * 2e9 / model.host_link_bytes_per_second + master_bytes * (
+        on_host = trainable if hosted is None else [p for p in trainable if trainable_names.get(id(p)) in hosted]
+        if hosted is not None and len({trainable_names[id(p)] for p in on_host}) != len(set(hosted)):
+            raise ValueError(f"hosted names parameters the target {type(step.target).__name__} does not train")
+        hosted_bytes = storage_bytes(on_host, model.allocation_rounding, set())
+        master_bytes, host_state_bytes = _host_state(step.optimizers, on_host, master_dtype)
+        host_ns = hosted_bytes * 2e9 / model.host_link_bytes_per_second + master_bytes * (
             host_optimizer_ns_per_byte(step.optimizers[0], dtype=master_dtype)
         )
         host_step_seconds = host_ns / 1e9
-        loop = loop.with_state_on_host(host_state_bytes, host_ns)
-        optimizer_state = 0  # the device's
+        part = None
+        if hosted is not None:
+            part = (frozenset(hosted), parameter_step_ratio(step.optimizers, torch.device("cpu")))
+        loop = loop.with_state_on_host(host_state_bytes, host_ns, hosted=part)
+        # the device's: the state of the parameters stepped there
+        on_host_ids = {id(p) for p in on_host}
+        optimizer_state = storage_bytes(
+            (
+                t
+                for opt in step.optimizers
+                for param, state in opt.state.items()
+                if id(param) not in on_host_ids
+                for t in plain_tensors(state)
+            ),
+            model.allocation_rounding,
+            set(),
+        )
     elif stepper is not None:  # per byte, measured on this CPU's allocator
         loop = loop.with_step_in_backward(parameter_step_ratio(step.optimizers, torch.device("cpu")))
     trace = traces[0]
@@ -361,6 +404,8 @@ def estimate_step(
             else None
         ),
         step_seconds=(solver.sim.step_ns - loop.step_inside_ns) / 1e9,
+        host_parameters=None if hosted is None else (len(on_host), len(trainable_names)),
+        state_bytes_by_parameter=state_by_name,
     )
     per_rank(estimate, step.layout, step.target)
     if minimum:
@@ -487,16 +532,19 @@ def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
     # with the host tier a plan may stream frozen weights, which are off the device at the optimizer step
     if not estimate.host_tier and estimate.held_bytes + estimate.optimizer_step_peak_bytes > device_memory:
         fit.reason = optimizer_alone
+        fit.short_bytes = estimate.held_bytes + estimate.optimizer_step_peak_bytes - device_memory
         return fit
     fit.budget_bytes = device_memory - estimate.held_bytes - estimate.around_target_bytes
     try:
         solution = solver.solve(fit.budget_bytes)
     except InfeasibleBudgetError as error:
         fit.reason = f"no plan fits: {error}"
+        fit.short_bytes = error.minimum_budget_bytes - fit.budget_bytes
         return fit
     planned = solution.result
     optimizer = estimate.optimizer_step_peak_bytes - planned.streamed_bytes
     if estimate.held_bytes + optimizer > device_memory:
+        fit.short_bytes = estimate.held_bytes + optimizer - device_memory
         fit.reason = optimizer_alone + (
             ", even with the plan's weights streamed from the host" if planned.streamed_bytes else ""
         )

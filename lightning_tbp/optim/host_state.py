@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -119,15 +119,22 @@ def hostings(optimizer: Optimizer, master_dtype: torch.dtype | None = None) -> l
 
 def fewest_to_host(candidates: list[Hosting], at_least: int) -> list[Hosting] | None:
     """The fewest parameters, largest state first, whose hosting takes ``at_least`` bytes off the
-    device (None: all of them do not): per byte moved, few large steps cost the host less than
-    many small ones (each has a fixed cost, ``optim/step_cost.py``)."""
-    chosen: list[Hosting] = []
+    device (None: all of them do not)."""
+    chosen = fewest_covering([h.device_bytes for h in candidates], at_least)
+    return None if chosen is None else [candidates[i] for i in chosen]
+
+
+def fewest_covering(state_bytes: Sequence[int], at_least: int) -> list[int] | None:
+    """Indices of the fewest parameters, largest state (``state_bytes``) first, whose state adds
+    up to ``at_least`` bytes (None: all of them do not): per byte moved, few large steps cost the
+    host less than many small ones (each has a fixed cost, ``optim/step_cost.py``)."""
+    chosen: list[int] = []
     freed = 0
-    for hosting in sorted(candidates, key=lambda h: h.device_bytes, reverse=True):
+    for index in sorted(range(len(state_bytes)), key=lambda i: state_bytes[i], reverse=True):
         if freed >= at_least:
             break
-        chosen.append(hosting)
-        freed += hosting.device_bytes
+        chosen.append(index)
+        freed += state_bytes[index]
     return chosen if freed >= at_least else None
 
 

@@ -250,6 +250,69 @@ def test_the_optimizer_state_on_the_host_on_cuda_leaves_the_device_and_overlaps(
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=path)
 
 
+def test_fp32_masters_and_part_of_the_state_on_the_host_on_cuda(record_property) -> None:
+    """A bf16 model on CUDA with float32 masters on the host (pinned, stepped on the worker
+    thread, the gradient widened there and the master's rounding copied back): the weights of the
+    recipe by hand (float32 AdamW on host masters over the CUDA gradients widened), bit for bit,
+    the host step running the same CPU kernels. Then part of the state on the host (the largest
+    parameter's), the rest stepped on the device: the device-only step's weights within float
+    rounding (CPU and CUDA AdamW kernels may round differently). Step times recorded."""
+    import time
+
+    from lightning_tbp.optim import OptimizerInBackward
+    from lightning_tbp.optim.host_state import HostOptimizerState
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        layers = (torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 256))
+        return torch.nn.Sequential(*layers).to("cuda", torch.bfloat16)
+
+    def batch(step: int) -> torch.Tensor:
+        return torch.randn(64, 256, generator=torch.Generator().manual_seed(step)).to("cuda", torch.bfloat16)
+
+    steps, lr = 4, 1e-4
+    by_hand = model()
+    masters = [p.detach().float().cpu().requires_grad_() for p in by_hand.parameters()]
+    optimizer = torch.optim.AdamW(masters, lr=lr)
+    for step in range(steps):
+        by_hand.zero_grad(set_to_none=True)
+        by_hand(batch(step)).float().square().mean().backward()
+        for param, master in zip(by_hand.parameters(), masters, strict=True):
+            master.grad = param.grad.float().cpu()
+        optimizer.step()
+        with torch.no_grad():
+            for param, master in zip(by_hand.parameters(), masters, strict=True):
+                param.copy_(master)
+    times: dict[str, float] = {}
+
+    def run(name: str, hosted: bool, master_dtype: torch.dtype | None, part: bool = False) -> torch.nn.Module:
+        found = model()
+        stepper = OptimizerInBackward(torch.optim.AdamW(found.parameters(), lr=lr))
+        if hosted:
+            largest = [max(found.parameters(), key=torch.Tensor.numel)] if part else None
+            stepper.host = HostOptimizerState(stepper.optimizer, master_dtype=master_dtype, hosted=largest)
+        durations = []
+        for step in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            with stepper.stepping():
+                found(batch(step)).float().square().mean().backward()
+            torch.cuda.synchronize()
+            durations.append(time.perf_counter() - start)
+        stepper.remove()
+        times[name] = sorted(durations[1:])[len(durations[1:]) // 2]
+        return found
+
+    with_masters = run("fp32 masters on the host", hosted=True, master_dtype=torch.float32)
+    for (path, a), b in zip(by_hand.named_parameters(), with_masters.parameters(), strict=True):
+        assert b.dtype == torch.bfloat16 and torch.equal(a, b), path
+    on_device = run("on the device", hosted=False, master_dtype=None)
+    part = run("the largest parameter's state on the host", hosted=True, master_dtype=None, part=True)
+    record_property("median_step_seconds", times)
+    for (path, a), b in zip(on_device.named_parameters(), part.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3, msg=path)  # bf16 weights: a few ulps
+
+
 def test_auto_budget_is_the_free_device_memory() -> None:
     case = ZOO["dit"].case(batch=2, device="cuda")
     free, _ = torch.cuda.mem_get_info()

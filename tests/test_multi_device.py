@@ -227,9 +227,14 @@ def test_two_processes_step_adam_on_the_host_as_on_the_device(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_dp_ddp_at_noise_zero_is_the_clipped_sum_of_the_global_batch(tmp_path) -> None:
+@pytest.mark.parametrize("scenario", ["dp_ddp", "dp_ddp_offload"])
+def test_dp_ddp_at_noise_zero_is_the_clipped_sum_of_the_global_batch(scenario: str, tmp_path) -> None:
+    """``dp_ddp_offload``: under a budget only the host tier meets, each rank's plan offloads
+    saved activations (brought back in both of ghost clipping's passes), its metered step within
+    the budget and at most 5% over the prediction (made for the largest Poisson batch), and the
+    clipped sum is the same."""
     out = tmp_path / "dp"
-    result = run_two_processes("dp_ddp", out)
+    result = run_two_processes(scenario, out)
     assert result.returncode == 0, result.stderr[-4000:]
     saved = torch.load(out / "dp.pt")
     (indices,) = global_batches(out)
@@ -245,6 +250,14 @@ def test_dp_ddp_at_noise_zero_is_the_clipped_sum_of_the_global_batch(tmp_path) -
     expected, _ = clipped_sum(grads, max_grad_norm=1e-3)
     for name, grad in saved["grads"].items():
         torch.testing.assert_close(grad, expected[name] / saved["expected_batch"], rtol=1e-5, atol=1e-9, msg=name)
+    if scenario == "dp_ddp_offload":
+        for rank in range(WORLD):
+            assert "OFFLOAD" in json.loads((out / f"plan_rank{rank}.json").read_text()).values()
+            steps = json.loads((out / f"loop_steps_rank{rank}.json").read_text())
+            assert [step["step"] for step in steps] == [0], (rank, steps)
+            for step in steps:  # Poisson batches up to the ceiling the plan is made for
+                assert step["peak_bytes"] <= step["budget_bytes"], (rank, step)
+                assert step["peak_bytes"] <= 1.05 * step["predicted_bytes"], (rank, step)
 
 
 @pytest.mark.slow

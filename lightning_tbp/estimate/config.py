@@ -23,7 +23,7 @@ from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
 from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.optim.host_state import fewest_covering
-from lightning_tbp.remat.step import PriorGradients
+from lightning_tbp.remat.step import PART_FACTORS, PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
 from lightning_tbp.strategies.step_in_backward import blockers
 
@@ -179,17 +179,26 @@ def _part_on_host(
 ) -> StepEstimate:
     """What the strategy takes where the optimizer's state on the host makes the step fit: the
     state of the fewest parameters (most state first) that covers what the device lacked with it
-    all on the device, or all of it, whichever fits and is predicted faster
-    (``strategies/state_on_host.py``). ``with_host_tier``: ``estimate_step`` for this config and
-    device, with the host tier."""
+    all on the device (and of those covering twice and four times that: ``PART_FACTORS``), or
+    all of it, whichever fits and is predicted fastest (``strategies/state_on_host.py``).
+    ``with_host_tier``: ``estimate_step`` for this config and device, with the host tier."""
     short = state_on_device.fit.short_bytes if state_on_device.fit is not None else None
+    if short is None:
+        return whole
     sizes = state_on_device.state_bytes_by_parameter
     names = list(sizes)
-    chosen = None if short is None else fewest_covering([sizes[name] for name in names], short)
-    if chosen is None or len(chosen) == len(names):
-        return whole
-    part = with_host_tier(step_in_backward=True, state_on_host=True, hosted=[names[i] for i in chosen])
-    return part if _fits(part) and part.total_step_seconds < whole.total_step_seconds else whole
+    best, tried = whole, set()
+    for factor in PART_FACTORS:
+        chosen = fewest_covering([sizes[name] for name in names], short * factor)
+        if chosen is None or len(chosen) == len(names):
+            break  # only the whole covers it
+        if len(chosen) in tried:
+            continue
+        tried.add(len(chosen))
+        part = with_host_tier(step_in_backward=True, state_on_host=True, hosted=[names[i] for i in chosen])
+        if _fits(part) and part.total_step_seconds < best.total_step_seconds:
+            best = part
+    return best
 
 
 def _fits(estimate: StepEstimate) -> bool:

@@ -64,6 +64,7 @@ from lightning_tbp.remat.solve import (
 )
 from lightning_tbp.remat.step import (
     NOTHING_ALONGSIDE,
+    PART_FACTORS,
     PLAIN_LOOP,
     Alongside,
     LoopAlternative,
@@ -500,20 +501,19 @@ class Plan:
             )
             raise error from None
         del self.alternatives[: self.alternatives.index(alternative) + 1]  # it includes those before it
-        # the least part of it that the budget needs, where that is predicted faster than the whole
+        # parts of it, from the least the budget needs, where one is predicted faster than the whole
         short = error.minimum_budget_bytes - (solved.budget_bytes - freed)
-        part = alternative.narrowed(short) if alternative.narrowed is not None and freed > 0 else None
+        parts = self._parts(profile, correction, alternative, short) if freed > 0 else []
         weighed = ""
-        if part is not None:
-            part_solver, part_held, part_freed = self._taking(profile, part)
-            with contextlib.suppress(InfeasibleBudgetError):  # the whole is known to fit
-                narrow = self._solve_with(profile, part_solver, correction, part_held)
-                times = f"{narrow.planned_step_ns / 1e6:.1f} ms against {solved.planned_step_ns / 1e6:.1f} ms"
-                if narrow.planned_step_ns < solved.planned_step_ns:
-                    weighed = f" (predicted {times} for the whole)"
-                    alternative, solver, solved, freed = part, part_solver, narrow, part_freed
-                else:
-                    weighed = f" (the least part of it that meets the budget was predicted at {times})"
+        if parts:
+            part, part_solver, narrow, part_freed = min(parts, key=lambda found: found[2].planned_step_ns)
+            whole_ms = f"{solved.planned_step_ns / 1e6:.1f} ms"
+            if narrow.planned_step_ns < solved.planned_step_ns:
+                weighed = f" (predicted {narrow.planned_step_ns / 1e6:.1f} ms against {whole_ms} for the whole)"
+                alternative, solver, solved, freed = part, part_solver, narrow, part_freed
+            else:
+                each = ", ".join(f"{found[2].planned_step_ns / 1e6:.1f}" for found in parts)
+                weighed = f" (its parts that meet the budget were predicted at {each} ms against {whole_ms})"
         corrected = "" if correction <= 1 else f" divided by a measured correction {correction:.3f}"
         off = f", takes {format_bytes(freed)} off the device outside the step" if freed else ""
         left = solved.budget_bytes - freed
@@ -538,6 +538,30 @@ class Plan:
         alternative.adopt()
         log.warning("lightning_tbp: taking %s", self.actions[-1])
         return solved
+
+    def _parts(
+        self, profile: _Profile, correction: float, alternative: LoopAlternative, short: int
+    ) -> list[tuple[LoopAlternative, Solver, ShapePlan, int]]:
+        """Parts of ``alternative`` (``LoopAlternative.narrowed``) that meet the budget, solved:
+        the least that takes ``short`` bytes off the device, then larger ones (twice, four times
+        that), until only the whole would do. A larger part leaves the step a larger budget, so
+        it may recompute less for its larger host work (an SDXL-style U-Net halfway down took the
+        whole over the least part, and a part twice that over the whole)."""
+        found: list[tuple[LoopAlternative, Solver, ShapePlan, int]] = []
+        seen: set[str] = set()
+        for factor in PART_FACTORS:
+            part = alternative.narrowed(short * factor) if alternative.narrowed is not None else None
+            if part is None:
+                break  # only the whole covers it
+            if part.action in seen:
+                continue
+            seen.add(part.action)
+            part_solver, part_held, part_freed = self._taking(profile, part)
+            with contextlib.suppress(InfeasibleBudgetError):  # a larger part may meet it
+                found.append(
+                    (part, part_solver, self._solve_with(profile, part_solver, correction, part_held), part_freed)
+                )
+        return found
 
     def _taking(self, profile: _Profile, alternative: LoopAlternative) -> tuple[Solver, HeldMemory | None, int]:
         """The solver of ``profile`` in the loop with ``alternative``, what training holds outside

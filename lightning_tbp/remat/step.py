@@ -207,6 +207,11 @@ class Alongside:
 NOTHING_ALONGSIDE = Alongside()
 
 
+#: The parts of a loop alternative a plan solves (``LoopAlternative.narrowed``), as multiples of
+#: the least the budget needs (``tbp estimate`` weighs the same).
+PART_FACTORS = (1, 2, 4)
+
+
 @dataclass(frozen=True)
 class LoopAlternative:
     """A change to the training loop that lowers the step's memory (the optimizer stepping inside

@@ -4,9 +4,9 @@ Keeping every parameter's state and step on the host (``optim/host_state.py``) f
 device memory, but every parameter then pays the host's step and copies, which on a slow host is
 the "block swap" cliff. Where the budget needs only part of the state off the device, the
 parameters with the most state go (the fewest steps for the bytes: each step has a fixed cost),
-the others keep their state and step on the device, inside the backward. The plan weighs this part
-against the whole by predicted time (``Plan`` tries ``LoopAlternative.narrowed``): the part's
-step budget is smaller, so it may recompute more.
+the others keep their state and step on the device, inside the backward. The plan weighs such
+parts (the least, and larger ones) against the whole by predicted time (``Plan`` tries
+``LoopAlternative.narrowed``): a part's step budget is smaller, so it may recompute more.
 """
 
 from __future__ import annotations

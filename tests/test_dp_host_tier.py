@@ -15,6 +15,8 @@ replayed.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,6 +99,32 @@ def _assert_a_dp_step_uses_the_host_and_keeps_its_word(name: str, mode: str, lor
     return taken
 
 
+def _least_device_bytes(
+    module: Callable[[], ZooModule], loader: DataLoader, strategy: Callable[[float, str], TinyBackpropStrategy]
+) -> tuple[int, int]:
+    """The least device a one-step fit of ``module()`` takes without the host tier and with it
+    ("auto"), as the refusal of a 1 KiB budget names them."""
+
+    def least(host_tier: str) -> int:
+        with pytest.raises(InfeasibleBudgetError) as error:
+            _fit(module(), loader, strategy(1 << 10, host_tier), max_steps=1)
+        assert error.value.minimum_device_bytes is not None
+        return error.value.minimum_device_bytes
+
+    return least("off"), least("auto")
+
+
+def _assert_the_fit_keeps_its_word(run: dict, reference: torch.nn.Module) -> None:
+    """Every metered step, the first three included, within its budget and at most 5% over its
+    prediction (made for the largest Poisson batch), and the weights where ``reference``'s are."""
+    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
+    for step in run["loop_steps"]:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step
+    for (path, a), b in zip(run["module"].named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+
+
 @pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
 def test_a_dp_lora_step_streams_its_base_below_what_recomputation_reaches(mode: str) -> None:
     """(Under bookkeeping, Flux's single-stream blocks return two views of one tensor, so they
@@ -148,26 +176,14 @@ def test_a_dp_lora_fit_below_the_device_only_minimum_streams_its_base() -> None:
             memory_budget=budget, host_tier=host_tier, dp="bookkeeping", noise_multiplier=1.0, max_grad_norm=0.01
         )
 
-    def least_device_bytes(host_tier: str) -> int:
-        with pytest.raises(InfeasibleBudgetError) as error:
-            _fit(module(), loader, strategy(1 << 10, host_tier), max_steps=1)
-        assert error.value.minimum_device_bytes is not None
-        return error.value.minimum_device_bytes
-
-    without, with_host = least_device_bytes("off"), least_device_bytes("auto")
+    without, with_host = _least_device_bytes(module, loader, strategy)
     assert with_host < without
     run = _fit(module(), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
     plan = run["plan"]
     options = set(plan.options.values())
     assert Option.STREAM in options and plan.streamed_bytes > 0
     assert "stream their frozen weights" in " ".join(plan.actions)
-    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
-    for step in run["loop_steps"]:
-        assert step["peak_bytes"] <= step["budget_bytes"], step
-        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step  # batches up to the ceiling
-    unplanned = _fit(module(), loader, strategy(1.0, "off"), max_steps=4)["module"]
-    for (path, a), b in zip(run["module"].named_parameters(), unplanned.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+    _assert_the_fit_keeps_its_word(run, _fit(module(), loader, strategy(1.0, "off"), max_steps=4)["module"])
 
 
 @pytest.mark.slow
@@ -184,13 +200,7 @@ def test_a_dp_full_fine_tune_below_the_device_only_minimum_keeps_its_state_on_th
     def strategy(budget: float, host_tier: str) -> TinyBackpropStrategy:
         return TinyBackpropStrategy(memory_budget=budget, host_tier=host_tier, dp="bookkeeping", noise_multiplier=1.0)
 
-    def least_device_bytes(host_tier: str) -> int:
-        with pytest.raises(InfeasibleBudgetError) as error:
-            _fit(ZooModule("dit", batch=batch), loader, strategy(1 << 10, host_tier), max_steps=1)
-        assert error.value.minimum_device_bytes is not None
-        return error.value.minimum_device_bytes
-
-    without, with_host = least_device_bytes("off"), least_device_bytes("auto")
+    without, with_host = _least_device_bytes(lambda: ZooModule("dit", batch=batch), loader, strategy)
     state = 2 * sum(p.numel() * p.element_size() for p in ZooModule("dit", batch=batch).parameters())
     assert with_host <= without - state // 2, (with_host, without)
     run = _fit(ZooModule("dit", batch=batch), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
@@ -198,13 +208,8 @@ def test_a_dp_full_fine_tune_below_the_device_only_minimum_keeps_its_state_on_th
     assert plan.loop.host_state_bytes >= state and plan.loop.step_in_backward
     assert any("the optimizer's state and step on the host" in action for action in plan.actions)
     assert Option.STREAM not in plan.options.values()  # a full fine-tune has no frozen weights to stream
-    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
-    for step in run["loop_steps"]:
-        assert step["peak_bytes"] <= step["budget_bytes"], step
-        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step
     on_device = _fit(ZooModule("dit", batch=batch), loader, strategy(without, "off"), max_steps=4)["module"]
-    for (path, a), b in zip(run["module"].named_parameters(), on_device.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+    _assert_the_fit_keeps_its_word(run, on_device)
 
 
 @pytest.mark.slow
@@ -229,23 +234,12 @@ def test_a_dp_full_fine_tune_fit_offloads_activations_below_the_device_only_mini
             optimizer_state_on_host=False,
         )
 
-    def least_device_bytes(host_tier: str) -> int:
-        with pytest.raises(InfeasibleBudgetError) as error:
-            _fit(ZooModule("dit", batch=batch), loader, strategy(1 << 10, host_tier), max_steps=1)
-        assert error.value.minimum_device_bytes is not None
-        return error.value.minimum_device_bytes
-
-    without, with_host = least_device_bytes("off"), least_device_bytes("auto")
+    without, with_host = _least_device_bytes(lambda: ZooModule("dit", batch=batch), loader, strategy)
     assert with_host < without, (with_host, without)
     run = _fit(ZooModule("dit", batch=batch), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
     plan = run["plan"]
     options = set(plan.options.values())
     assert Option.OFFLOAD in options and Option.STREAM not in options, options
     assert "offload blocks' saved activations" in " ".join(plan.actions)
-    assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
-    for step in run["loop_steps"]:
-        assert step["peak_bytes"] <= step["budget_bytes"], step
-        assert step["peak_bytes"] <= (1 + TOLERANCE) * step["predicted_bytes"], step
     unplanned = _fit(ZooModule("dit", batch=batch), loader, strategy(1.0, "off"), max_steps=4)["module"]
-    for (path, a), b in zip(run["module"].named_parameters(), unplanned.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=path)
+    _assert_the_fit_keeps_its_word(run, unplanned)

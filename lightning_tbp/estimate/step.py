@@ -344,18 +344,7 @@ def estimate_step(
             part = (frozenset(hosted), parameter_step_ratio(step.optimizers, torch.device("cpu")))
         loop = loop.with_state_on_host(host_state_bytes, host_ns, hosted=part)
         # the device's: the state of the parameters stepped there
-        on_host_ids = {id(p) for p in on_host}
-        optimizer_state = storage_bytes(
-            (
-                t
-                for opt in step.optimizers
-                for param, state in opt.state.items()
-                if id(param) not in on_host_ids
-                for t in plain_tensors(state)
-            ),
-            model.allocation_rounding,
-            set(),
-        )
+        optimizer_state = 0 if hosted is None else optimizer_state - sum(state_by_name.get(n, 0) for n in set(hosted))
     elif stepper is not None:  # per byte, measured on this CPU's allocator
         loop = loop.with_step_in_backward(parameter_step_ratio(step.optimizers, torch.device("cpu")))
     trace = traces[0]

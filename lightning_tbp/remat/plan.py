@@ -548,9 +548,11 @@ class Plan:
         it may recompute less for its larger host work (an SDXL-style U-Net halfway down took the
         whole over the least part, and a part twice that over the whole)."""
         found: list[tuple[LoopAlternative, Solver, ShapePlan, int]] = []
+        if alternative.narrowed is None:
+            return found
         seen: set[str] = set()
         for factor in PART_FACTORS:
-            part = alternative.narrowed(short * factor) if alternative.narrowed is not None else None
+            part = alternative.narrowed(short * factor)
             if part is None:
                 break  # only the whole covers it
             if part.action in seen:

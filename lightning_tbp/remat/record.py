@@ -80,6 +80,9 @@ class _Recorder(TorchDispatchMode):
         # the bytes of the gradient the Function's backward makes for what they read
         self.function_reads: dict[int, int] = {}
         self.tensor_counts: dict[int, int] = {}
+        # the dtype autocast casts trainable weights to and caches (None: no cache), and those casts
+        self.autocast_dtype: torch.dtype | None = None
+        self.weight_casts: list[int] = []
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
         """Storage id of ``tensor``, registering storages made outside the recorder."""
@@ -162,6 +165,8 @@ class _Recorder(TorchDispatchMode):
             trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
             outputs.append(sid)
             new_elements += tensor.numel()
+        if self.autocast_dtype is not None and outputs and _cached_by_autocast(func, args, out, self.autocast_dtype):
+            self.weight_casts.extend(outputs)
         if _densifies(func, args, out) and (source := self.sid_of(args[0])) is not None:
             trace.densified_storages.add(source)
         flops = flop_count(func, args, kwargs, out)
@@ -458,6 +463,7 @@ def record_trace(
 
     devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"}) if measure else []
+    recorder.autocast_dtype = _autocast_cache_dtype(devices)
     listening = listening_for_notes(file_note)
     try:
         with (
@@ -472,6 +478,10 @@ def record_trace(
             trace.output_specs = [TensorSpec.of(t, t.requires_grad) for t in _output_tensors(output)]
             recorder.recording = False  # what dies now dies with the forward's result
             del output
+        outputs = set(trace.module_outputs)
+        trace.autocast_cached = {
+            sid for sid in recorder.weight_casts if trace.storage_death[sid] == -1 and sid not in outputs
+        }
         workspaces: dict[int, tuple[int, int]] = {}
         times: dict[int, tuple[float, float]] = {}
         with torch.random.fork_rng(devices=cuda_devices):  # calibration draws random inputs
@@ -527,6 +537,32 @@ def _consumers(trace: Trace) -> dict[int, int]:
     reads: Counter[int] = Counter(sid for inputs in trace.event_inputs for sid in set(inputs))
     reads.update(trace.module_outputs)
     return {sid: 2 if count > 1 and sid in trace.densified_storages else 1 for sid, count in reads.items()}
+
+
+def _autocast_cache_dtype(devices: list[torch.device]) -> torch.dtype | None:
+    """The dtype autocast casts trainable weights to on the step's device and caches until its
+    context exits, or None (no autocast, or its cache off). Read before the recorder starts:
+    inside a dispatch mode autocast reads as off."""
+    device_type = devices[0].type if devices else "cpu"
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_cache_enabled() else None
+
+
+def _cached_by_autocast(func: Any, args: tuple, out: object, dtype: torch.dtype) -> bool:
+    """Whether ``func`` is a cast autocast caches: a float32 leaf that needs a gradient (a
+    trainable parameter; a view of one is no leaf) cast to autocast's ``dtype`` (torch's rule
+    for its cache)."""
+    if op_packet(func) is not torch.ops.aten._to_copy or not args or not isinstance(out, torch.Tensor):
+        return False
+    source = args[0]
+    return (
+        isinstance(source, torch.Tensor)
+        and source.dtype == torch.float32
+        and source.is_leaf
+        and source.requires_grad
+        and out.dtype == dtype
+    )
 
 
 def _densifies(func: Any, args: tuple, out: object) -> bool:

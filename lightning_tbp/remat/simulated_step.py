@@ -273,6 +273,9 @@ class SimulatedStep:
             self.mem -= loss_bytes
         if not self.in_backward:  # training_step returned: its own tensors go, the batch stays
             self.mem -= alongside.until_backward
+            for sid in self.trace.autocast_cached:  # and autocast's cache with its context
+                self.python_refs.discard(sid)
+                self.maybe_free(sid)
         self.in_backward = True  # Lightning frees the last step's gradients here
         for sid in self.trace.module_outputs:
             if self.trace.storage_needs_grad[sid] and sid not in self.grads:

@@ -116,6 +116,11 @@ class Trace:
     # on the host, ``LoopModel.hosted_parameters``)
     trainable_weights: dict[int, str] = field(default_factory=dict)
     module_outputs: tuple[int, ...] = ()
+    # Trainable weights' casts that autocast keeps in its cache (alive at the forward's end):
+    # referenced until the autocast context exits, which the training loop does after the loss
+    # and before the backward (Lightning's precision plugins close it as ``training_step``
+    # returns), and from then on only by what saved them
+    autocast_cached: set[int] = field(default_factory=set)
     parameter_grad_bytes: int = 0
     overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)
     # Measured over modelled extra time of each plan option, from real block steps

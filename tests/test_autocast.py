@@ -1,0 +1,132 @@
+"""Plans under torch's autocast, whose cache keeps every trainable weight's low-precision copy
+until its context exits.
+
+``torch.autocast`` (cache on, its default) casts a float32 parameter once per context and keeps
+the copy; the training loop closes the context after the loss, before the backward (torch's AMP
+recipe), and from then on a copy lives only as long as an op saved it. The profile sees the copies
+alive when the forward ends: counted through the whole step, a checkpointed block's copies looked
+held at the backward's peak whatever the plan, and the lowest plan of a cross-attention U-Net stayed
+far above diffusers' own checkpointing. Lightning's precision plugins turn the cache off, so this
+is the step of scripts that call ``rematerialize`` under their own autocast (diffusers' examples
+through accelerate, this project's benchmarks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_tbp import InfeasibleBudgetError, rematerialize
+from lightning_tbp.memory import measure_peak
+from lightning_tbp.remat.apply import InstalledWrappers
+from lightning_tbp.remat.loss import assumed_loss_bytes
+from lightning_tbp.remat.options import Option
+from lightning_tbp.remat.record import record_trace
+from lightning_tbp.remat.simulate import Simulator
+from lightning_tbp.remat.solve import Solver
+from lightning_tbp.testing.zoo_models import ZOO, ZooCase
+
+TOLERANCE = 0.05
+
+
+def _autocast(cache: bool = True) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=cache)
+
+
+def _step(case: ZooCase) -> None:
+    """Forward and loss under autocast, the backward after it closed (torch's AMP recipe)."""
+    with _autocast():
+        loss = case.loss()
+    loss.backward()
+
+
+def _measured(case: ZooCase) -> int:
+    _step(case)  # warm-up
+    case.model.zero_grad(set_to_none=True)
+    gc.collect()
+    return measure_peak(lambda: _step(case)).peak_bytes
+
+
+def _gradients(case: ZooCase) -> dict[str, torch.Tensor]:
+    case.model.zero_grad(set_to_none=True)
+    _step(case)
+    return {name: p.grad.clone() for name, p in case.model.named_parameters() if p.grad is not None}
+
+
+def test_the_lowest_plan_under_autocast_goes_below_diffusers_checkpointing() -> None:
+    """An SDXL-style U-Net under bf16 autocast: the lowest plan the planner names runs within its
+    budget and 5% of its prediction, below diffusers' ``enable_gradient_checkpointing()``, with
+    the gradients of the plain step (its lowest plan had peaked 1.4x above diffusers')."""
+    architecture = ZOO["sdxl_unet"]
+    diffusers = architecture.case(batch=4)
+    diffusers.model.enable_gradient_checkpointing()
+    diffusers_peak = _measured(diffusers)
+    case = architecture.case(batch=4)
+    reference = _gradients(case)
+    with pytest.raises(InfeasibleBudgetError) as error, _autocast():
+        rematerialize(case.model, *case.args, memory_budget=1, **case.kwargs)
+    with _autocast():
+        plan = rematerialize(case.model, *case.args, memory_budget=error.value.minimum_budget_bytes, **case.kwargs)
+    try:
+        shape_plan = plan.current
+        assert shape_plan is not None
+        measured = _measured(case)
+        assert measured <= shape_plan.budget_bytes
+        assert abs(measured / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
+        assert measured < diffusers_peak, (measured, diffusers_peak)
+        for name, gradient in _gradients(case).items():
+            assert torch.equal(gradient, reference[name]), name
+    finally:
+        plan.remove()
+
+
+def test_the_trace_names_the_copies_autocast_caches() -> None:
+    """Trainable weights' casts under autocast with its cache, and nothing else: none without
+    the cache (Lightning's plugins), none of frozen weights (autocast caches leaves that need a
+    gradient only), none without autocast."""
+    case = ZOO["sdxl_unet"].case(batch=2)
+    call = (case.model, case.args, case.kwargs)
+    with _autocast():
+        cached = record_trace(*call, measure=False).autocast_cached
+    assert cached
+    with _autocast(cache=False):
+        assert not record_trace(*call, measure=False).autocast_cached
+    assert not record_trace(*call, measure=False).autocast_cached
+    case.model.requires_grad_(False)
+    with _autocast():
+        assert not record_trace(*call, measure=False).autocast_cached
+
+
+@settings(max_examples=4, derandomize=True, deadline=None)
+@given(seed=st.integers(0, 2**16), moves=st.integers(4, 40))
+def test_any_mix_of_options_under_autocast_is_predicted(seed: int, moves: int) -> None:
+    """Random legal plans (full, selective, lazy, nested) drawn by moves from the plain model,
+    each predicted within 5% of its measured peak under autocast."""
+    case = ZOO["sdxl_unet"].case(batch=2)
+    with _autocast():
+        trace = record_trace(case.model, case.args, case.kwargs)
+    simulator = Simulator(trace, loss_bytes=assumed_loss_bytes(trace.output_specs))
+    solver = Solver(simulator)
+    draw = random.Random(seed)
+    options = [Option.KEEP] * len(trace.nodes)
+    for _ in range(moves):
+        legal = solver.legal_moves(options)
+        if not legal:
+            break
+        options = solver.apply(options, *draw.choice(legal))
+    predicted = simulator.run(options).peak_bytes
+    planned = {trace.nodes[i].key: o for i, o in enumerate(options) if i > 0 and o != Option.KEEP}
+    limits = {trace.nodes[i].key: simulator.cache_limit(i) for i, o in enumerate(options) if o == Option.SELECTIVE}
+    wrappers = InstalledWrappers(case.model, planned, limits)
+    wrappers.ensure(planned)
+    try:
+        measured = _measured(case)
+    finally:
+        wrappers.remove()
+    assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted, planned)

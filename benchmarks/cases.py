@@ -5,9 +5,11 @@
 | ``small`` | the reference ``UNet2DModel`` of ``remat_pareto.py`` | 32x32 RGB, batch 4 | fp32 | this CPU |
 | ``medium`` | the DDPM U-Net of ``configs/ddpm_unet.yaml`` | 128x128 RGB, batch 8 | fp32 | a GPU |
 | ``large`` | a Stable-Diffusion-1.5-size ``UNet2DConditionModel`` | 64x64x4 latents, batch 8 | bf16 | a GPU |
+| ``conditioned_small`` | the same layout at channels 64/128/256/256 | 32x32x4 latents, batch 4 | bf16 | this CPU |
 
-The large profile conditions on 77 random text-encoder states of width 768 and trains under
-bf16 autocast with fp32 weights (Lightning's "bf16-mixed").
+The conditioned profiles condition on 77 random text-encoder states of width 768 and train under
+bf16 autocast with fp32 weights (the precision of Lightning's "bf16-mixed"; autocast's cache on,
+as torch's default, where Lightning turns it off).
 Sizes and batches can be overridden (``high_res.py`` searches over them).
 """
 
@@ -62,7 +64,8 @@ class Profile:
 
     def config(self) -> dict[str, Any]:
         if self.family == "unet2d_condition":
-            return {**SD15_UNET, "sample_size": self.size}
+            channels = {"block_out_channels": (64, 128, 256, 256)} if self.name == "conditioned_small" else {}
+            return {**SD15_UNET, **channels, "sample_size": self.size}
         base = REFERENCE_UNET if self.name == "small" else ddpm_unet_config()
         return {**base, "sample_size": self.size}
 
@@ -81,6 +84,7 @@ PROFILES = {
     "small": Profile("small", "unet2d", size=32, batch=4, bf16=False),
     "medium": Profile("medium", "unet2d", size=128, batch=8, bf16=False),
     "large": Profile("large", "unet2d_condition", size=64, batch=8, bf16=True),
+    "conditioned_small": Profile("conditioned_small", "unet2d_condition", size=32, batch=4, bf16=True),
 }
 
 

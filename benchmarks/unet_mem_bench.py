@@ -59,6 +59,7 @@ DEFAULT_MODES = {
     ],
     "medium": _GPU_PROFILE_MODES,
     "large": _GPU_PROFILE_MODES,
+    "conditioned_small": ["naive", "diffusers", "tbp:0.7", "tbp:lowest", "tbp:at:diffusers"],
 }
 RATIOS = {
     "peak_ratio": "peak_bytes",

@@ -130,3 +130,30 @@ def test_any_mix_of_options_under_autocast_is_predicted(seed: int, moves: int) -
     finally:
         wrappers.remove()
     assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted, planned)
+
+
+def test_a_backward_inside_autocast_is_named_with_its_fix(caplog: pytest.LogCaptureFixture) -> None:
+    """The plan assumes the context closes before the backward; a metered backward inside it
+    (the cache keeping every copy through it, past the plan's prediction) is named once, with
+    the two ways out."""
+    case = ZOO["sdxl_unet"].case(batch=2)
+    with _autocast():
+        plan = rematerialize(case.model, *case.args, memory_budget=0.95, **case.kwargs)
+
+    def inside() -> None:
+        with _autocast():
+            case.loss().backward()
+
+    try:
+        with caplog.at_level("WARNING", logger="lightning_tbp"):
+            plan.verify(lambda: _step(case))
+            case.model.zero_grad(set_to_none=True)
+            assert "inside torch.autocast" not in caplog.text
+            for _ in range(2):  # past its budget it re-plans, or names the minimum a correction would need
+                with contextlib.suppress(InfeasibleBudgetError):
+                    plan.verify(inside)
+                case.model.zero_grad(set_to_none=True)
+        assert caplog.text.count("inside torch.autocast") == 1
+        assert "Close the autocast context before calling backward" in caplog.text
+    finally:
+        plan.remove()

@@ -192,6 +192,7 @@ class Plan:
         self._metered: ShapePlan | None = None  # the plan whose step the meter is on
         self._metered_batch: int | None = None  # and that step's batch
         self._loss_per_output_byte = 0.0  # the loss's measured bytes over its module outputs' (0: not yet)
+        self._warned_autocast = False  # a metered backward ran under autocast with its cache (warned once)
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
         self._active: dict[str, Option] = {}
         self._cache_limits: dict[str, int] = {}
@@ -656,6 +657,16 @@ class Plan:
         outputs = self._profiles[key].trace.output_gradient_bytes if key in self._profiles else 0
         if reading.loss_bytes is not None and outputs and shape_plan.measured_at_planned_batch:
             self._loss_per_output_byte = reading.loss_bytes / outputs
+        cached = key in self._profiles and self._profiles[key].trace.autocast_cached
+        if reading.backward_under_cached_autocast and cached and not self._warned_autocast:
+            self._warned_autocast = True
+            log.warning(
+                "lightning_tbp: the backward of %s runs inside torch.autocast, whose cache then keeps every "
+                "trainable weight's low-precision copy through it; the plan counts them until the backward "
+                "starts. Close the autocast context before calling backward (torch's AMP recipe), or pass "
+                "cache_enabled=False to torch.autocast",
+                type(self.module).__name__,
+            )
 
     @property
     def awaits_measurement(self) -> bool:

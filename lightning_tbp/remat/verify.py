@@ -41,6 +41,10 @@ class StepReading:
     """Peak of the window from the module's forward end to its outputs' first gradient (the
     loss's forward and backward, that gradient included) above the memory held at its start;
     None when the window was not seen (the outputs got no gradient)."""
+    backward_under_cached_autocast: bool = False
+    """Whether the backward started inside an autocast context with its cache on: the weights'
+    casts the cache keeps are then alive through the backward, where the plan counts them until
+    the backward starts (``Trace.autocast_cached``)."""
 
 
 class StepMeter:
@@ -58,6 +62,7 @@ class StepMeter:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._window = 0  # marks the loss window has seen: 0 (not started), 1 (open) or 2 (closed)
         self._state_marks: dict[int, int] = {}  # mark -> optimizer state made in the step by then
+        self._backward_autocast = False  # the backward started under autocast with its cache on
 
     @property
     def running(self) -> bool:
@@ -71,6 +76,7 @@ class StepMeter:
         self._reading = self._session.enter_context(allocator_peak(device))
         self._window = 0
         self._state_marks = {}
+        self._backward_autocast = False
         return True
 
     def state_made(self, nbytes: int) -> None:
@@ -96,6 +102,8 @@ class StepMeter:
         if self._reading is not None and self._window == 1:
             self._reading.mark()
             self._window = 2
+            device = grad.device.type
+            self._backward_autocast = torch.is_autocast_enabled(device) and torch.is_autocast_cache_enabled()
 
     def stop(self) -> StepReading | None:
         """Close the session; what it measured (None if none was open)."""
@@ -115,7 +123,7 @@ class StepMeter:
         peak = reading.peak_bytes
         if self._state_marks:
             peak = peak_apart_from(reading.marks, self._state_marks, 0, len(reading.marks) - 1)
-        return StepReading(peak, loss)
+        return StepReading(peak, loss, self._backward_autocast)
 
 
 @dataclass(frozen=True)

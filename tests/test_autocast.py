@@ -24,13 +24,14 @@ from hypothesis import strategies as st
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
 from lightning_tbp.memory import measure_peak
+from lightning_tbp.privacy import attach
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
-from lightning_tbp.testing.zoo_models import ZOO, ZooCase
+from lightning_tbp.testing.zoo_models import ZOO, ZooCase, sample
 
 TOLERANCE = 0.05
 
@@ -157,3 +158,42 @@ def test_a_backward_inside_autocast_is_named_with_its_fix(caplog: pytest.LogCapt
         assert "Close the autocast context before calling backward" in caplog.text
     finally:
         plan.remove()
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"), [pytest.param("sdxl_unet", "ghost", marks=pytest.mark.slow), ("dit", "bookkeeping")]
+)
+def test_a_dp_step_under_autocast_keeps_its_lowest_plans_word(name: str, mode: str) -> None:
+    """A DP step under autocast: the copies its ops saved stay through every backward pass (and
+    bookkeeping's replays), the cache's references go where the first starts."""
+    case = ZOO[name].case(batch=4)
+    model = case.model.eval()  # no dropout: the per-sample loss must not depend on the batch
+    engine = attach(model, mode=mode, max_grad_norm=1.0, noise_multiplier=0.0)
+
+    def step() -> None:
+        engine.probe_next_step()
+        with _autocast():
+            loss = (sample(model(*case.args, **case.kwargs)).float() - case.target).square().flatten(1).mean(dim=1)
+        engine.backward(loss)
+
+    def measured() -> int:
+        step()
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        return measure_peak(step).peak_bytes
+
+    plan = None
+    try:
+        with pytest.raises(InfeasibleBudgetError) as error, _autocast():
+            rematerialize(model, *case.args, memory_budget=1, **case.kwargs)
+        with _autocast():
+            plan = rematerialize(model, *case.args, memory_budget=error.value.minimum_budget_bytes, **case.kwargs)
+        shape_plan = plan.current
+        assert shape_plan is not None
+        peak = measured()
+        assert peak <= shape_plan.budget_bytes
+        assert abs(peak / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
+    finally:
+        if plan is not None:
+            plan.remove()
+        engine.detach()

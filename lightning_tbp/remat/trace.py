@@ -118,8 +118,8 @@ class Trace:
     module_outputs: tuple[int, ...] = ()
     # Trainable weights' casts that autocast keeps in its cache (alive at the forward's end):
     # referenced until the autocast context exits, which the training loop does after the loss
-    # and before the backward (Lightning's precision plugins close it as ``training_step``
-    # returns), and from then on only by what saved them
+    # and before the backward (torch's AMP recipe), and from then on only by what saved them.
+    # Empty under Lightning, whose precision plugins turn autocast's cache off
     autocast_cached: set[int] = field(default_factory=set)
     parameter_grad_bytes: int = 0
     overheads: StepOverheads = field(default_factory=StepOverheads)  # what plan options add (overheads.py)

@@ -14,16 +14,15 @@ through accelerate, this project's benchmarks).
 from __future__ import annotations
 
 import contextlib
-import gc
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_plan_fidelity import _measured as measured_peak
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
-from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.loss import assumed_loss_bytes
@@ -48,10 +47,7 @@ def _step(case: ZooCase) -> None:
 
 
 def _measured(case: ZooCase) -> int:
-    _step(case)  # warm-up
-    case.model.zero_grad(set_to_none=True)
-    gc.collect()
-    return measure_peak(lambda: _step(case)).peak_bytes
+    return measured_peak(case.model, lambda: _step(case))
 
 
 def _gradients(case: ZooCase) -> dict[str, torch.Tensor]:
@@ -178,12 +174,6 @@ def test_a_dp_step_under_autocast_keeps_its_lowest_plans_word(name: str, mode: s
             loss = (sample(model(*case.args, **case.kwargs)).float() - case.target).square().flatten(1).mean(dim=1)
         engine.backward(loss)
 
-    def measured() -> int:
-        step()
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        return measure_peak(step).peak_bytes
-
     plan = None
     try:
         with pytest.raises(InfeasibleBudgetError) as error, _autocast():
@@ -192,7 +182,7 @@ def test_a_dp_step_under_autocast_keeps_its_lowest_plans_word(name: str, mode: s
             plan = rematerialize(model, *case.args, memory_budget=error.value.minimum_budget_bytes, **case.kwargs)
         shape_plan = plan.current
         assert shape_plan is not None
-        peak = measured()
+        peak = measured_peak(model, step)
         assert peak <= shape_plan.budget_bytes
         assert abs(peak / shape_plan.predicted_peak_bytes - 1) <= TOLERANCE
     finally:

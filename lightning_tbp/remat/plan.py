@@ -653,11 +653,11 @@ class Plan:
         """File a metered step's reading on its plan; learn what its loss holds."""
         shape_plan.measured_peak_bytes, shape_plan.measured_batch_size = reading.peak_bytes, batch
         shape_plan.measured_loss_bytes = reading.loss_bytes
-        key = self._key_of(shape_plan)
-        outputs = self._profiles[key].trace.output_gradient_bytes if key in self._profiles else 0
+        profile = self._profiles.get(self._key_of(shape_plan))
+        outputs = profile.trace.output_gradient_bytes if profile is not None else 0
         if reading.loss_bytes is not None and outputs and shape_plan.measured_at_planned_batch:
             self._loss_per_output_byte = reading.loss_bytes / outputs
-        cached = key in self._profiles and self._profiles[key].trace.autocast_cached
+        cached = profile is not None and profile.trace.autocast_cached
         if reading.backward_under_cached_autocast and cached and not self._warned_autocast:
             self._warned_autocast = True
             log.warning(

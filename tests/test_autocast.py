@@ -14,15 +14,19 @@ through accelerate, this project's benchmarks).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_loop_truth import _assert_the_promise_holds, _fit
 from test_plan_fidelity import _measured as measured_peak
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
 
-from lightning_tbp import InfeasibleBudgetError, rematerialize
+from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
 from lightning_tbp.privacy import attach
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.loss import assumed_loss_bytes
@@ -30,6 +34,7 @@ from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import Solver
+from lightning_tbp.testing.zoo_lightning import ZooModule
 from lightning_tbp.testing.zoo_models import ZOO, ZooCase, sample
 
 TOLERANCE = 0.05
@@ -189,3 +194,31 @@ def test_a_dp_step_under_autocast_keeps_its_lowest_plans_word(name: str, mode: s
         if plan is not None:
             plan.remove()
         engine.detach()
+
+
+@pytest.mark.slow
+def test_a_whole_fit_under_the_users_own_autocast_holds_its_lowest_plan() -> None:
+    """A LightningModule that runs its step under its own ``torch.autocast`` (cache on; Lightning
+    closes it before the backward): the profile's casts are cached, so the real forward takes
+    them from the cache and a selective block's recomputation would cast again (torch raised);
+    no selective block is planned. Every step of the fit, the first included, within the lowest
+    budget named and 5% of the prediction."""
+
+    class AutocastZoo(ZooModule):
+        @override
+        def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+            with _autocast():
+                return super().training_step(batch, batch_idx)
+
+    def run(budget: float) -> dict:
+        module = AutocastZoo("sdxl_unet", batch=4)
+        loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=4)
+        strategy = TinyBackpropStrategy(memory_budget=budget, host_tier="off", optimizer_in_backward=False)
+        return _fit(module, loader, strategy, max_steps=4)
+
+    with pytest.raises(InfeasibleBudgetError) as error:
+        run(1)
+    lowest = math.ceil(1000 * error.value.minimum_budget_bytes / error.value.naive_bytes) / 1000
+    fit = run(lowest)
+    _assert_the_promise_holds(fit)
+    assert Option.SELECTIVE not in fit["plan"].options.values()

@@ -303,9 +303,13 @@ class Plan:
         if not self._planning:
             self._meter.forward_ended(output)  # the loss window of a metered step opens here
 
-    def _selective(self) -> bool:
-        """Whether plans may use selective blocks, whose cache torch hands to one backward only."""
-        return self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
+    def _selective(self, trace: Trace) -> bool:
+        """Whether plans may use selective blocks: torch hands their cache to one backward only,
+        and its recomputation must run the forward's ops, which autocast's cache breaks (a
+        weight's cast the forward took from the cache is made again in the recomputation: torch
+        raises "aten._to_copy.default encountered during backward but not found in storage")."""
+        one_backward = self.backward_passes == 1 and step_model_for(self.module).backward_passes == 1
+        return one_backward and not trace.autocast_cached
 
     def _solver(self, trace: Trace, loss_bytes: int, alongside: Alongside, loop: LoopModel | None = None) -> Solver:
         loop = self.loop if loop is None else loop
@@ -314,7 +318,7 @@ class Plan:
         if host or loop.host_state_bytes:  # the optimizer's state there counts against it too
             host_budget = default_host_budget() if self.host_budget_bytes is None else self.host_budget_bytes
         simulator = Simulator(trace, step_model_for(self.module), loss_bytes, loop, alongside, host_budget)
-        return Solver(simulator, selective=self._selective(), offload=host, stream=host)
+        return Solver(simulator, selective=self._selective(trace), offload=host, stream=host)
 
     def set_loop(self, loop: LoopModel) -> None:
         """Plan for another training loop from now on: every shape planned so far is solved
@@ -365,7 +369,7 @@ class Plan:
             start = time.perf_counter()
             trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call, block_inputs=block_inputs)
             if block_inputs is not None:
-                soft = (Option.SELECTIVE, Option.LAZY) if self._selective() else (Option.LAZY,)
+                soft = (Option.SELECTIVE, Option.LAZY) if self._selective(trace) else (Option.LAZY,)
                 self._calibration = calibrate(self.module, trace, block_inputs, (Option.FULL, *soft))
             profile_seconds = time.perf_counter() - start
         finally:

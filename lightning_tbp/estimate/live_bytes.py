@@ -18,7 +18,8 @@ import weakref
 
 import torch
 
-from lightning_tbp.compat import TorchDispatchMode, storage_key, tree_flatten
+from lightning_tbp.compat import TorchDispatchMode, storage_key
+from lightning_tbp.remat.op_args import op_tensors
 
 
 def rounded(nbytes: int, rounding: int) -> int:
@@ -40,7 +41,7 @@ class LiveBytes(TorchDispatchMode):
     def count(self, tensors: object) -> None:
         """Count these existing tensors' storages as live from now (the last step's gradients,
         alive as a step starts): their bytes join ``current`` and leave it when they are freed."""
-        for tensor in _tensors(tensors):
+        for tensor in op_tensors(tensors):
             key = storage_key(tensor)
             if key is None or key in self._views:
                 continue
@@ -56,8 +57,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {storage_key(t) for t in _tensors((args, kwargs))}
-        for tensor in _tensors(out):
+        inputs = {storage_key(t) for t in op_tensors((args, kwargs))}
+        for tensor in op_tensors(out):
             key = storage_key(tensor)
             if key is None or (key in inputs and key not in self._views):
                 continue  # no storage, or a view or in-place result of a baseline storage
@@ -76,6 +77,3 @@ class LiveBytes(TorchDispatchMode):
             del self._views[key]
             self.current -= self._sizes.pop(key)
 
-
-def _tensors(tree: object) -> list[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(tree)[0] if isinstance(leaf, torch.Tensor)]

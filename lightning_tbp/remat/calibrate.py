@@ -29,6 +29,7 @@ import torch
 
 from lightning_tbp.compat import tree_flatten, tree_map, unset_fake_temporarily
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, garbage_collection_held
+from lightning_tbp.remat.op_args import map_op_leaves, op_leaves
 from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.overheads import timed_ns
 
@@ -127,8 +128,8 @@ class OpCalibrator:
             grad = next(flags) and x.is_floating_point()
             return TensorSpec.of(x, grad)
 
-        spec = tree_map(describe, (args, kwargs))
-        key = (func, *tree_flatten(spec)[0])
+        spec = map_op_leaves(describe, (args, kwargs))
+        key = (func, *op_leaves(spec))
         self._specs.setdefault(key, (func, *spec))
         self.event_keys[event] = key
         self._event_outputs[event] = tuple(outputs)

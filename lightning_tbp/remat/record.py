@@ -38,6 +38,7 @@ from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
 from lightning_tbp.remat.host_weights import frozen_weights
+from lightning_tbp.remat.op_args import op_tensors
 from lightning_tbp.remat.ops import traits_of
 from lightning_tbp.remat.overheads import StepOverheads, step_overheads
 from lightning_tbp.remat.replay import output_tensors, outputs_replayable, recorder_for
@@ -126,7 +127,8 @@ class _Recorder(TorchDispatchMode):
         event = trace.num_events
         traits = traits_of(func)
         seen: dict[int, int] = {}
-        for tensor in _tensors((args, kwargs)):
+        arg_tensors, out_tensors = op_tensors((args, kwargs)), op_tensors(out)
+        for tensor in arg_tensors:
             if is_quantized_wrapper(tensor):
                 self.read_quantized.setdefault(event, []).append(tensor)
             if (sid := self.sid_of(tensor)) is not None:
@@ -146,7 +148,7 @@ class _Recorder(TorchDispatchMode):
         outputs: list[int] = []
         output_sids: list[int | None] = []  # of every output tensor, in order (for the calibrator)
         new_elements = 0
-        for tensor in _tensors(out):
+        for tensor in out_tensors:
             key = storage_key(tensor)
             if key is None:
                 output_sids.append(None)
@@ -173,7 +175,7 @@ class _Recorder(TorchDispatchMode):
         # what autograd will differentiate, tensor by tensor: a parameter read through a detached
         # view (a DP engine's tapped layer, whose weight gradient the engine forms itself) shares
         # the parameter's storage but gets no gradient from the op's backward
-        needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in _tensors((args, kwargs))]
+        needs_grad = [torch.is_grad_enabled() and t.requires_grad for t in arg_tensors]
         self.calibrator.note(event, func, args, kwargs, needs_grad, output_sids, workspace=traits.heavy and grad_flows)
         trace.event_node.append(self.node_stack[-1])
         trace.event_inputs.append(inputs)
@@ -184,7 +186,7 @@ class _Recorder(TorchDispatchMode):
         trace.event_traits.append(traits)
         trace.event_flops.append(flops)
         trace.event_cost.append(0.0)  # measured after the forward
-        self.last_output_dtype = next((t.dtype for t in _tensors(out)), None)
+        self.last_output_dtype = next((t.dtype for t in out_tensors), None)
         return out
 
     def record_save(self, tensor: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from lightning_tbp.remat.folding import ChainFold
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.shared_prefix import SharedPrefix
 from lightning_tbp.remat.simulated_step import Captured, Holdings, OverLimit, SimResult, SimulatedStep
@@ -45,8 +46,12 @@ class Simulator:
         loop: LoopModel = PLAIN_LOOP,
         alongside: Alongside = NOTHING_ALONGSIDE,
         host_budget_bytes: float = float("inf"),
+        fold: ChainFold | None = None,
     ) -> None:
+        """``fold``: the trace is a chain folded to four calls (``folding.py``), whose
+        simulations add the calls left out."""
         self.trace = trace
+        self.fold = fold
         self.host_budget_bytes = host_budget_bytes
         self.step = step
         self.loss_bytes = loss_bytes
@@ -95,6 +100,7 @@ class Simulator:
             limit_bytes=limit_bytes,
             host_limit_bytes=self.host_budget_bytes,
             shared=self.shared,
+            fold=self.fold,
         )
 
     def run(self, options: list[Option]) -> SimResult:

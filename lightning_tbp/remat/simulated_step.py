@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lightning_tbp.remat.folding import ChainFold
 from lightning_tbp.remat.host_tier import offloaded
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
@@ -152,8 +153,14 @@ class SimulatedStep:
         limit_bytes: float = math.inf,
         host_limit_bytes: float = math.inf,
         shared: SharedPrefix | None = None,
+        fold: ChainFold | None = None,
     ) -> None:
         self.facts = facts
+        self.fold = fold
+        # the folded chain's marks (``top_forward``, ``top_backward``): the level, host bytes
+        # and costs as the first call's span ends (forward) or the second call's begins (backward)
+        self.fold_mark: tuple[int, int, float, int] | None = None
+        self.fold_bytes = self.fold_host = 0  # the left-out calls' held bytes, device and host
         self.limit_bytes = limit_bytes
         self.host_limit_bytes = host_limit_bytes
         self.trace = facts.trace
@@ -244,19 +251,19 @@ class SimulatedStep:
         key = shared.key(options) if shared is not None else None
         split = shared.split if shared is not None and key is not None else 0
         if shared is not None and key is not None and not self.resume(shared, key):
-            self.forward(0, 0, split - 1, recompute=False)
+            self.top_forward(0, split - 1)
             shared.keep_state(key, snapshot(vars(self)))
-        self.forward(0, split, trace.num_events - 1, recompute=False)
+        self.top_forward(split, trace.num_events - 1)
         self.forward_end = self.mem
         self.effects = effects(self) if effects is not None else StepEffects(self)
         if shared is not None and key is not None:
             self.begin_pass(step.passes[0], loss_bytes, alongside)
-            self.backward(0, split, trace.num_events - 1)
+            self.top_backward(split, trace.num_events - 1)
             self.rest_shared(shared, key, loop)
             return
         for backward_pass in step.passes:
             self.begin_pass(backward_pass, loss_bytes, alongside)
-            self.backward(0, 0, trace.num_events - 1)
+            self.top_backward(0, trace.num_events - 1)
             self.end_pass()
         self.optimizer_step_after(loop)
 
@@ -330,7 +337,7 @@ class SimulatedStep:
             self.optimizer_step = self.step + rest.optimizer_offset
 
     def rest_of_step(self, split: int, loop: LoopModel) -> None:
-        self.backward(0, 0, split - 1)
+        self.top_backward(0, split - 1)
         self.end_pass()
         self.optimizer_step_after(loop)
 
@@ -533,6 +540,64 @@ class SimulatedStep:
         return found
 
     # -- phases ---------------------------------------------------------------------------------
+    def top_forward(self, lo: int, hi: int) -> None:
+        """The top-level forward over events ``lo..hi``; in a folded chain (``folding.py``), the
+        left-out calls' held bytes and costs are added where the second call's span ends."""
+        fold = self.fold
+        if fold is not None:
+            for end, hook in ((fold.first_end, self.first_call_forwarded), (fold.second_end, self.calls_folded_in)):
+                if lo <= end <= hi:
+                    self.forward(0, lo, end, recompute=False)
+                    hook(fold.omitted)
+                    lo = end + 1
+        if lo <= hi:
+            self.forward(0, lo, hi, recompute=False)
+
+    def first_call_forwarded(self, omitted: int) -> None:
+        self.fold_mark = (self.mem, self.host, self.recompute_cost, self.recompute_flops)
+
+    def calls_folded_in(self, omitted: int) -> None:
+        """The second call's span ended: each left-out call holds what it did (``fold_bytes``)
+        and costs what it did in the forward."""
+        assert self.fold_mark is not None
+        mem, host, cost, flops = self.fold_mark
+        self.fold_bytes, self.fold_host = omitted * (self.mem - mem), omitted * (self.host - host)
+        self.mem += self.fold_bytes
+        self.host += self.fold_host
+        self.host_peak = max(self.host_peak, self.host)
+        if self.host_peak > self.host_limit_bytes and self.limit_bytes < math.inf:
+            raise OverLimit
+        self.recompute_cost += omitted * (self.recompute_cost - cost)
+        self.recompute_flops += omitted * (self.recompute_flops - flops)
+        self.fold_mark = None
+
+    def top_backward(self, lo: int, hi: int) -> None:
+        """The top-level backward over events ``hi..lo``; in a folded chain, the left-out
+        calls' held bytes go where the backward reaches the second call's span, and their costs
+        are added as it leaves it."""
+        fold = self.fold
+        if fold is not None:
+            for end, hook in ((fold.second_end, self.calls_folded_out), (fold.first_end, self.second_call_undone)):
+                if lo <= end <= hi:
+                    if end < hi:
+                        self.backward(0, end + 1, hi)
+                    hook(fold.omitted)
+                    hi = end
+        self.backward(0, lo, hi)
+
+    def calls_folded_out(self, omitted: int) -> None:
+        self.mem -= self.fold_bytes
+        self.host -= self.fold_host
+        self.fold_mark = (self.mem, self.host, self.recompute_cost, self.recompute_flops)
+
+    def second_call_undone(self, omitted: int) -> None:
+        """The second call's backward is done: each left-out call's cost as much."""
+        assert self.fold_mark is not None
+        _, _, cost, flops = self.fold_mark
+        self.recompute_cost += omitted * (self.recompute_cost - cost)
+        self.recompute_flops += omitted * (self.recompute_flops - flops)
+        self.fold_mark = None
+
     def forward(self, region: int, lo: int, hi: int, recompute: bool, keep: tuple[int, ...] = ()) -> list[int]:
         """Forward over events ``lo..hi`` of ``region``; a recompute uses fresh storage ids.
 

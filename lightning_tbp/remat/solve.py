@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 from lightning_tbp.remat.block_tree import BlockTree
 from lightning_tbp.remat.budget import format_bytes
+from lightning_tbp.remat.folding import FoldedChain, fold_chain
 from lightning_tbp.remat.lagrangian import Prices, lagrangian_plans, singleton_prices
 from lightning_tbp.remat.options import KEEPS_SOME, SOFT, Option, clears_soft_below, next_options
 from lightning_tbp.remat.repeats import repeated_at_least, repeated_calls
@@ -187,6 +188,11 @@ class Solver:
         self._memo: dict[tuple[Option, ...], SimResult] = {}
         self._over: dict[tuple[Option, ...], int] = {}  # plans whose peak passes this many bytes
         self._naive: SimResult | None = None
+        self._pinned: frozenset[int] = frozenset()  # blocks no plan may give an option
+        # how many calls a block stands for (a folded chain's second call: it and those left out)
+        self._calls_of: dict[int, int] = {}
+        self._folded: tuple[Solver, FoldedChain] | bool | None = self.chained  # False: none; True: not yet looked for
+        self.lowest_found: tuple[list[Option], SimResult] | None = None  # set where no plan fits
 
     # -- public -----------------------------------------------------------------------------------
     def naive(self) -> SimResult:
@@ -196,7 +202,69 @@ class Solver:
 
     def solve(self, budget_bytes: int) -> Solution:
         """Cheapest plan found whose predicted peak is within the budget less the margin."""
-        return self._solve(planning_target(budget_bytes), budget_bytes)
+        target_bytes = planning_target(budget_bytes)
+        folded = self._solve_folded(target_bytes, budget_bytes)
+        return folded if folded is not None else self._solve(target_bytes, budget_bytes)
+
+    def _folded_solver(self) -> tuple[Solver, FoldedChain] | None:
+        """A solver for the chain folded to four calls (``folding.py``), made once: for a chained
+        plain step (one backward pass, nothing around it) with no weights streamed."""
+        if self._folded is True:
+            self._folded = None
+            sim = self.sim
+            plain = len(sim.step.passes) == 1 and sim.effects is None
+            folded = fold_chain(sim.trace) if plain and Option.STREAM not in self.options else None
+            if folded is not None:
+                inner = Solver(
+                    Simulator(
+                        folded.trace,
+                        sim.step,
+                        sim.loss_bytes,
+                        sim.loop,
+                        sim.alongside,
+                        sim.host_budget_bytes,
+                        folded.fold,
+                    ),
+                    selective=Option.SELECTIVE in self.options,
+                    offload=Option.OFFLOAD in self.options,
+                )
+                inner.large, inner.chained, inner.tied, inner._folded = self.large, True, True, None
+                inner._pinned = folded.pinned
+                fold = folded.fold
+                inner._calls_of = {
+                    node.index: 1 + fold.omitted
+                    for node in folded.trace.nodes
+                    if fold.first_end < node.first_event <= fold.second_end
+                }
+                self._folded = (inner, folded)
+        return self._folded or None
+
+    def _solve_folded(self, target_bytes: int, budget_bytes: int) -> Solution | None:
+        """The search on the folded chain, its plan replayed on the whole step; None where the
+        step does not fold or the replay passes the target (the search then runs on the whole)."""
+        found = self._folded_solver()
+        if found is None:
+            return None
+        inner, folded = found
+        start = time.perf_counter()
+        try:
+            options = inner._solve(target_bytes, budget_bytes).options
+        except InfeasibleBudgetError:
+            assert inner.lowest_found is not None
+            lowest, reached = inner.lowest_found
+            result = self.simulate([lowest[i] for i in folded.node_of])
+            if result.peak_bytes != reached.peak_bytes:
+                return None  # the fold did not stand for this plan: the whole step's search names the minimum
+            raise InfeasibleBudgetError(
+                budget_bytes, result.peak_bytes, self.naive().peak_bytes, result.host_peak_bytes
+            ) from None
+        options = [options[i] for i in folded.node_of]
+        result = self.simulate(options)
+        if result.peak_bytes > target_bytes:
+            return None
+        return Solution(
+            options, result, self.naive(), time.perf_counter() - start, self.simulations + inner.simulations
+        )
 
     def _solve(self, target_bytes: int, budget_bytes: int) -> Solution:
         try:
@@ -228,6 +296,7 @@ class Solver:
         if not candidates:
             options, result = self.lowest(target_bytes)
             if result.peak_bytes > target_bytes:
+                self.lowest_found = (options, result)
                 raise InfeasibleBudgetError(budget_bytes, result.peak_bytes, naive.peak_bytes, result.host_peak_bytes)
             candidates.append((options, result))
         unique = {tuple(o): (o, r) for o, r in candidates}.values()
@@ -274,6 +343,7 @@ class Solver:
             for node in self.nodes[1:]:
                 if (
                     node.has_events
+                    and node.index not in self._pinned
                     and node.kind in group
                     and all(options[a] == Option.KEEP for a in self.ancestors[node.index])
                 ):
@@ -382,7 +452,7 @@ class Solver:
             i = node.index
             if not node.has_events or (self.tied and self.members[i][0] != i):
                 continue
-            if self._movable is not None and i not in self._movable:
+            if (self._movable is not None and i not in self._movable) or i in self._pinned:
                 continue
             checkpointed_above = not self._outermost(i, options)
             if any(options[a] in SOFT for a in self.ancestors[i]):
@@ -475,8 +545,9 @@ class Solver:
         for index, option in self.legal_moves(options):
             freed, extra = 0, 0.0
             for member in self.tied_to(index):
-                freed += self._freed(member, option, options, freed_full, holdings, lca)
-                extra += self.tree.cost_of(member, option) - self.tree.cost_of(member, options[member])
+                calls = self._calls_of.get(member, 1)
+                freed += calls * self._freed(member, option, options, freed_full, holdings, lca)
+                extra += calls * (self.tree.cost_of(member, option) - self.tree.cost_of(member, options[member]))
             if freed <= 0:
                 continue
             extra = 1.0 if cost_blind else extra

@@ -125,3 +125,22 @@ def test_a_chain_that_does_not_repeat_exactly_is_not_folded(case: str) -> None:
     model = {"kept": _Kept(6), "growing": _Growing(6), "four_calls": Unrolled(tiny_unet(), calls=4)}[case]
     trace = record_trace(model, (torch.randn(2, 3, 32, 32), torch.tensor([500, 700])), {}, measure=False)
     assert fold_chain(trace) is None
+
+
+@pytest.mark.parametrize("family", ["unet2d", "dit"])
+def test_a_reward_fine_tunes_ddim_chain_folds(family: str) -> None:
+    """Eight DDIM steps of the reward recipe's denoiser, the reward model after them: the
+    scheduler's last step runs other ops, and the fold keeps that call whole."""
+    from test_loop_truth import CHAIN_DIT, MAIN_JOB_UNET
+
+    from lightning_tbp.diffusion.reward import ConvReward, RewardFineTuneModule
+
+    torch.manual_seed(0)
+    config = MAIN_JOB_UNET if family == "unet2d" else CHAIN_DIT
+    module = RewardFineTuneModule(
+        ConvReward(channels=config["in_channels"]), family=family, model_config=config, sampling_steps=8, lora_rank=4
+    )
+    conditioning = {"labels": torch.randint(0, 10, (4,))} if family == "dit" else {}
+    trace = record_trace(module.scored, (torch.randn(module.sample_shape(4)), conditioning), {}, measure=False)
+    folded = fold_chain(trace)
+    assert folded is not None and folded.fold.omitted == 3  # the first step stays apart; 7 - 4 left out

@@ -76,4 +76,3 @@ class LiveBytes(TorchDispatchMode):
         if self._views[key] == 0:  # the storage's key may now be reused by a new storage
             del self._views[key]
             self.current -= self._sizes.pop(key)
-

@@ -156,11 +156,18 @@ class _Folder:
                     or trace.storage_needs_grad[sid] != trace.storage_needs_grad[other]
                     or trace.storage_written[sid] != trace.storage_written[other]
                     or death < 0
-                    or other_death != death + self.period
+                    or not self.dies_alike(death, other_death)
                     or self.call_of(death) > self.call_of(event) + 1
                 ):
                     return False
         return True
+
+    def dies_alike(self, death: int, later_death: int) -> bool:
+        """Whether a storage's counterpart a call later goes as it does, a call later; in the last
+        call's span, which the folded trace keeps whole (a sampler's last step may run other
+        ops), anywhere there."""
+        expected = death + self.period
+        return later_death >= self.chain_end if expected >= self.chain_end else later_death == expected
 
     def carried(self, sid: int) -> int | None:
         """What a read after the fold of ``sid`` becomes in the folded trace (None: the fold

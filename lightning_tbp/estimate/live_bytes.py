@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import weakref
 
-import torch
-
 from lightning_tbp.compat import TorchDispatchMode, storage_key
 from lightning_tbp.remat.op_args import op_tensors
 

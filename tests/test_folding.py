@@ -72,9 +72,8 @@ def test_the_search_on_the_folded_chain_finds_the_whole_searchs_plan(fraction: f
     takes the whole search's path (each move's estimate weighs the second call's blocks for the
     calls they stand for), to the same plan, or to the same minimum named."""
     trace = chain_trace(8)
-    folding, whole = Solver(Simulator(trace)), Solver(Simulator(trace))
-    whole._folded = None  # the search over the whole chain
-    assert folding._folded_solver() is not None
+    folding, whole = Solver(Simulator(trace)), Solver(Simulator(trace), fold_chains=False)
+    assert folding.folded_solver is not None
     budget = int(whole.naive().peak_bytes * fraction)
     if fraction == 0.0:
         with pytest.raises(InfeasibleBudgetError) as folded_error:

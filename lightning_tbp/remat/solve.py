@@ -37,6 +37,7 @@ would release at an instant) is ``block_tree.py``; the Lagrangian start's plans 
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -165,6 +166,7 @@ class Solver:
         offload: bool = False,
         stream: bool = False,
         tie_repeats: bool = True,
+        fold_chains: bool = True,
     ) -> None:
         """``selective=False`` leaves selective blocks out of every plan: torch's selective
         checkpoint hands its cached outputs to the first backward only, so a graph that is
@@ -172,7 +174,8 @@ class Solver:
         plans offload blocks' saved activations to host memory (``host_tier.py``), and
         ``stream=True`` stream blocks' frozen weights from it (``host_weights.py``). ``tie_repeats=False`` searches each
         call of a repeated block apart however long the chain (the reference the tied search is
-        compared with)."""
+        compared with); ``fold_chains=False`` searches a chain on its whole trace, not folded to
+        four calls (``folding.py``)."""
         self.sim = simulator
         options = (Option.FULL, Option.SELECTIVE, Option.LAZY) if selective else (Option.FULL, Option.LAZY)
         self.options = (*options, *((Option.OFFLOAD,) if offload else ()), *((Option.STREAM,) if stream else ()))
@@ -194,7 +197,7 @@ class Solver:
         self._pinned: frozenset[int] = frozenset()  # blocks no plan may give an option
         # how many calls a block stands for (a folded chain's second call: it and those left out)
         self._calls_of: dict[int, int] = {}
-        self._folded: tuple[Solver, FoldedChain] | bool | None = self.chained  # False: none; True: not yet looked for
+        self.fold_chains = fold_chains
         self.lowest_found: tuple[list[Option], SimResult] | None = None  # set where no plan fits
 
     # -- public -----------------------------------------------------------------------------------
@@ -209,43 +212,39 @@ class Solver:
         folded = self._solve_folded(target_bytes, budget_bytes)
         return folded if folded is not None else self._solve(target_bytes, budget_bytes)
 
-    def _folded_solver(self) -> tuple[Solver, FoldedChain] | None:
-        """A solver for the chain folded to four calls (``folding.py``), made once: for a chained
-        plain step (one backward pass, nothing around it) with no weights streamed."""
-        if self._folded is True:
-            self._folded = None
-            sim = self.sim
-            plain = len(sim.step.passes) == 1 and sim.effects is None
-            folded = fold_chain(sim.trace) if plain and Option.STREAM not in self.options else None
-            if folded is not None:
-                inner = Solver(
-                    Simulator(
-                        folded.trace,
-                        sim.step,
-                        sim.loss_bytes,
-                        sim.loop,
-                        sim.alongside,
-                        sim.host_budget_bytes,
-                        folded.fold,
-                    ),
-                    selective=Option.SELECTIVE in self.options,
-                    offload=Option.OFFLOAD in self.options,
-                )
-                inner.large, inner.chained, inner.tied, inner._folded = self.large, True, True, None
-                inner._pinned = folded.pinned
-                fold = folded.fold
-                inner._calls_of = {
-                    node.index: 1 + fold.omitted
-                    for node in folded.trace.nodes
-                    if fold.first_end < node.first_event <= fold.second_end
-                }
-                self._folded = (inner, folded)
-        return self._folded or None
+    @functools.cached_property
+    def folded_solver(self) -> tuple[Solver, FoldedChain] | None:
+        """A solver for the chain folded to four calls (``folding.py``): for a chained plain step
+        (one backward pass, nothing around it) with no weights streamed; None otherwise."""
+        sim = self.sim
+        plain = len(sim.step.passes) == 1 and sim.effects is None
+        if not (self.fold_chains and self.chained and plain and Option.STREAM not in self.options):
+            return None
+        folded = fold_chain(sim.trace)
+        if folded is None:
+            return None
+        inner = Solver(
+            Simulator(
+                folded.trace, sim.step, sim.loss_bytes, sim.loop, sim.alongside, sim.host_budget_bytes, folded.fold
+            ),
+            selective=Option.SELECTIVE in self.options,
+            offload=Option.OFFLOAD in self.options,
+            fold_chains=False,
+        )
+        inner.large, inner.chained, inner.tied = self.large, True, True
+        inner._pinned = folded.pinned
+        fold = folded.fold
+        inner._calls_of = {
+            node.index: 1 + fold.omitted
+            for node in folded.trace.nodes
+            if fold.first_end < node.first_event <= fold.second_end
+        }
+        return inner, folded
 
     def _solve_folded(self, target_bytes: int, budget_bytes: int) -> Solution | None:
         """The search on the folded chain, its plan replayed on the whole step; None where the
         step does not fold or the replay passes the target (the search then runs on the whole)."""
-        found = self._folded_solver()
+        found = self.folded_solver
         if found is None:
             return None
         inner, folded = found

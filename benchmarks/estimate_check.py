@@ -74,11 +74,12 @@ def image_folder(root: Path, side: int, count: int) -> Path:
 def measured_fit_peak(args: list[str], device: str) -> int:
     """Device peak of the whole fit of ``args``, held tensors included."""
     from lightning_tbp.lightning_cli import run_lightning_cli
+    from lightning_tbp.memory.libraries import free_library_workspaces
     from lightning_tbp.memory.meters import allocator_peak
 
     gc.collect()
     if device == "cuda":
-        torch.cuda.empty_cache()
+        free_library_workspaces(torch.device("cuda"))  # made again inside the fit, as in a fresh process
         before = torch.cuda.memory_allocated()  # what an earlier check in this process left
         torch.cuda.reset_peak_memory_stats()
         cli = run_lightning_cli(args, run=False)

@@ -199,6 +199,12 @@ def cuda_memory_snapshot() -> dict[str, Any]:
     return torch.cuda.memory._snapshot()
 
 
+def clear_cublas_workspaces() -> None:
+    """Free the workspaces cuBLAS keeps per thread and stream (``torch._C``'s, private; the
+    caching allocator then holds them as free blocks)."""
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def dump_cuda_memory_snapshot(path: str) -> None:
     """:func:`cuda_memory_snapshot` pickled to ``path``, for pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)

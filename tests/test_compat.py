@@ -193,6 +193,20 @@ def test_cuda_memory_history_functions_exist_and_record_on_a_gpu(tmp_path: Path)
     assert (tmp_path / "history.pickle").stat().st_size > 0
 
 
+def test_cublas_workspaces_can_be_freed_on_a_gpu() -> None:
+    """``estimate_check.py`` frees them before measuring a whole fit; on CPU there is nothing to free."""
+    if not torch.cuda.is_available():
+        assert not hasattr(torch._C, "_cuda_clearCublasWorkspaces") or callable(torch._C._cuda_clearCublasWorkspaces)
+        return
+    from lightning_tbp.memory.libraries import warm_library_workspaces
+
+    warm_library_workspaces(torch.device("cuda"))
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    compat.clear_cublas_workspaces()
+    assert torch.cuda.memory_allocated() < held
+
+
 def test_model_parallel_strategy_keeps_its_mesh_sizes_where_compat_sets_them() -> None:
     from lightning.pytorch.strategies import ModelParallelStrategy
 

@@ -87,6 +87,31 @@ def test_a_state_made_on_the_device_moves_to_the_host_and_steps_on() -> None:
     assert torch.equal(saved["state"][0]["exp_avg"], plain_opt.state_dict()["state"][0]["exp_avg"])
 
 
+def test_steps_queued_on_the_worker_overlapping_the_backward_step_as_the_device_does() -> None:
+    """The CUDA order on this CPU: each host step queued on the worker thread while the backward
+    goes on (``overlapped``), waited for as the block ends. A DiT with dropout (its RNG seeded
+    alike for both runs) over three Adam steps ends at the device step's weights, bit for bit."""
+    import copy
+
+    from lightning_tbp.testing.zoo_models import ZOO, sample
+
+    case = ZOO["dit"].case(batch=2)
+    hosted = copy.deepcopy(case.model)
+    for model in (case.model, hosted):
+        torch.manual_seed(1)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        stepper = OptimizerInBackward(optimizer)
+        if model is hosted:
+            stepper.host = HostOptimizerState(optimizer)
+            stepper.host.overlapped = True
+        for _ in range(3):
+            with stepper.stepping():
+                sample(model(*case.args, **case.kwargs)).float().square().mean().backward()
+        stepper.remove()
+    for (name, a), b in zip(case.model.named_parameters(), hosted.parameters(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_the_steps_are_priced_per_parameter_and_per_byte() -> None:
     """Each parameter stepped alone costs something on its own (a small model's many tensors pay
     mostly that), the more on the host (the copies and the hand-over to its worker thread, timed

@@ -243,3 +243,22 @@ def test_no_plan_streams_a_block_without_frozen_weights() -> None:
     lowest = budget_for_peak(solver.lowest(0)[1].peak_bytes)
     for budget in (lowest, (lowest + solver.naive().peak_bytes) // 2):
         assert Option.STREAM not in solver.solve(budget).options
+
+
+def test_a_module_whose_weights_sit_on_the_host_is_metered_where_they_were_loaded() -> None:
+    """``Plan.verify`` without a device meters the module's device: with its weights streamed
+    that is where they were loaded, not the host that holds them (on an H200 the CPU meter ran
+    instead and read a streamed LoRA step at 15 KB for 1.1 MB)."""
+    from lightning_tbp.memory.homes import set_home, take_home
+    from lightning_tbp.remat.plan import _device_of
+
+    block = _block()
+    loaded = torch.device("meta")  # stands for the CUDA device the parameters came from
+    for param in block.parameters():
+        set_home(param, loaded)
+    try:
+        assert _device_of(block, (), {}) == loaded
+    finally:
+        for param in block.parameters():
+            take_home(param)
+    assert _device_of(block, (), {}) == torch.device("cpu")

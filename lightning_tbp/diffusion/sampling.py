@@ -13,6 +13,7 @@ from PIL import Image
 from torch import nn
 
 from lightning_tbp.diffusion.models import Family
+from lightning_tbp.memory.homes import loaded_device
 
 
 @torch.no_grad()
@@ -40,7 +41,7 @@ def sample(
         cast(Any, train_scheduler).config
     )  # diffusers' ConfigMixin sets it
     scheduler.set_timesteps(steps)
-    device = next(model.parameters()).device
+    device = loaded_device(next(model.parameters()))  # streamed weights sit on the host
     x = torch.randn(shape, generator=generator, device="cpu").to(device)
     for t in scheduler.timesteps:
         timesteps = torch.full((shape[0],), int(t), device=device, dtype=torch.long)

@@ -33,6 +33,12 @@ def take_home(param: nn.Parameter) -> torch.device:
     return device
 
 
+def loaded_device(param: torch.Tensor) -> torch.device:
+    """The device ``param`` counts on: where it was loaded, also while the host tier holds its
+    data (a step with streamed weights runs there, not on the host that holds them)."""
+    return home_of(param) or param.device
+
+
 def home_of(param: torch.Tensor) -> torch.device | None:
     """The device ``param`` was loaded on, if the host tier holds its data now (else None)."""
     entry = _HOMES.get(id(param))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from lightning_tbp.compat import clear_cublas_workspaces
+
 _WARMED: set[torch.device] = set()
 
 
@@ -35,3 +37,16 @@ def warm_library_workspaces(device: torch.device) -> None:
             F.linear(weight, weight, bias).float().sum().backward()
     torch.cuda.synchronize(device)
     _WARMED.add(device)
+
+
+def free_library_workspaces(device: torch.device) -> None:
+    """Free cuBLAS's workspaces (every device's) and return the cache, so that what comes next
+    makes them again as a fresh process would: a whole fit measured after other work in the same
+    process otherwise reads them as already held (``benchmarks/estimate_check.py`` read 1.5x on
+    an H200 where a fresh process read 1.00). Off CUDA it does nothing."""
+    if device.type != "cuda":
+        return
+    torch.cuda.synchronize(device)
+    clear_cublas_workspaces()
+    torch.cuda.empty_cache()
+    _WARMED.clear()

@@ -252,16 +252,6 @@ class _CpuSessions:
 _CPU_SESSIONS = _CpuSessions()
 
 
-@contextlib.contextmanager
-def _cpu_region(result: AllocatorPeak) -> Iterator[None]:
-    with garbage_collection_held():
-        region = _CPU_SESSIONS.open(result)
-        try:
-            yield
-        finally:
-            _CPU_SESSIONS.close(region)
-
-
 class _CudaPeaks:
     """Every open CUDA region of one device, sharing the caching allocator's one peak counter.
 
@@ -316,16 +306,6 @@ def cuda_peaks(device: torch.device) -> _CudaPeaks:
 
 
 @contextlib.contextmanager
-def _cuda_region(result: AllocatorPeak, device: torch.device) -> Iterator[None]:
-    peaks = cuda_peaks(device)
-    region = peaks.open(result)
-    try:
-        yield
-    finally:
-        peaks.close(region)
-
-
-@contextlib.contextmanager
 def allocator_peak(device: torch.device | str = "cpu") -> Iterator[AllocatorPeak]:
     """Measure the exact allocator peak of the ``with`` body on ``device``.
 
@@ -336,14 +316,21 @@ def allocator_peak(device: torch.device | str = "cpu") -> Iterator[AllocatorPeak
     """
     device = torch.device(device)
     result = AllocatorPeak()
+    regions: _CpuSessions | _CudaPeaks
     if device.type == "cuda":
-        region = _cuda_region(result, device)
+        regions = cuda_peaks(device)
     elif device.type == "cpu":
-        region = _cpu_region(result)
+        regions = _CPU_SESSIONS
     else:
         raise ValueError(f"no exact allocator meter for device type {device.type!r} (cpu and cuda are supported)")
-    with region:
-        yield result
+    # a collection inside would free blocks made before the region: the CPU meter misreads those
+    # frees, and on CUDA the peak above the opening level would fall by them
+    with garbage_collection_held():
+        region = regions.open(result)
+        try:
+            yield result
+        finally:
+            regions.close(region)
 
 
 def measure_peak(fn: Callable[[], object], device: torch.device | str = "cpu") -> AllocatorPeak:

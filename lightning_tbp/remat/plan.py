@@ -33,6 +33,7 @@ from torch import nn
 
 from lightning_tbp.compat import tree_flatten
 from lightning_tbp.memory.held import HeldMemory
+from lightning_tbp.memory.homes import loaded_device
 from lightning_tbp.memory.libraries import warm_library_workspaces
 from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
@@ -779,7 +780,7 @@ def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
+    return next((loaded_device(p) for p in module.parameters()), torch.device("cpu"))
 
 
 def rematerialize(

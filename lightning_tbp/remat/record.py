@@ -34,6 +34,7 @@ from torch import nn
 from lightning_tbp.compat import FakeTensor, TorchDispatchMode, op_packet, storage_key, tree_flatten
 from lightning_tbp.memory.breakdown import is_quantized_wrapper, plain_tensors
 from lightning_tbp.memory.held import local_bytes
+from lightning_tbp.memory.homes import loaded_device
 from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
@@ -464,7 +465,7 @@ def record_trace(
     def unpack(_: None) -> torch.Tensor:
         raise RuntimeError("lightning_tbp profiling graph cannot be backpropagated")
 
-    devices = [t.device for t in _tensors((args, kwargs))] + [p.device for p in module.parameters()]
+    devices = [t.device for t in _tensors((args, kwargs))] + [loaded_device(p) for p in module.parameters()]
     cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"}) if measure else []
     recorder.autocast_dtype = _autocast_cache_dtype(devices)
     listening = listening_for_notes(file_note)

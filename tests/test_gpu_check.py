@@ -38,3 +38,39 @@ def test_the_dry_run_runs_every_part_and_packs_its_results(tmp_path: Path) -> No
     assert completed.returncode == 0, completed.stdout[-2000:]
     assert summary["machine"]["torch"]
     assert sum(name.endswith(".json") for name in names) >= 4, names  # each benchmark part wrote its result
+
+
+def test_metered_windows_replays_a_cuda_history_between_its_marks() -> None:
+    """``benchmarks/metered_windows.py`` (run on a GPU only) on a history written by hand: the
+    peak above the opening level, what the window made alive at it, and an older block it freed."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from metered_windows import CLOSE_MARK, OPEN_MARK, metered_windows
+
+    def event(action: str, addr: int, size: int, line: int = 1) -> dict:
+        return {
+            "action": action,
+            "addr": addr,
+            "size": size,
+            "frames": [{"filename": "model.py", "line": line, "name": "f"}],
+        }
+
+    events = [
+        event("alloc", 1, 1000, line=5),  # made before the window
+        event("alloc", 2, OPEN_MARK),
+        event("free_completed", 2, OPEN_MARK),
+        event("alloc", 3, 4000, line=7),
+        event("free_completed", 1, 1000),
+        event("alloc", 4, 2000, line=8),
+        event("free_completed", 3, 4000),
+        event("alloc", 5, CLOSE_MARK),
+        event("free_completed", 5, CLOSE_MARK),
+    ]
+    (window,) = metered_windows(events)
+    assert window["open_level"] == 1000
+    assert window["peak_above_open"] == 5000  # the 4000 and 2000 blocks together, less the 1000 freed
+    assert window["end_above_open"] == 1000
+    assert window["made_inside_alive_at_peak"] == {
+        "model.py:7 f | model.py:7 f": 4000,
+        "model.py:8 f | model.py:8 f": 2000,
+    }
+    assert window["made_before_freed_inside"] == {"model.py:5 f | model.py:5 f": 1000}

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import resource
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -402,6 +403,44 @@ def test_cuda_model_rounds_blocks_and_adds_the_cublas_workspace() -> None:
     cuda = estimate_step(_diffusion_step(), device=CUDA, minimum=False)
     assert cuda.library_workspace_bytes == CUDA.library_workspace_bytes
     assert cuda.naive_peak_bytes >= cpu.naive_peak_bytes + CUDA.library_workspace_bytes
+
+
+def test_cuda_autocasts_float32_list_runs_in_float32_under_cpu_autocast() -> None:
+    """What CUDA's autocast widens (group norm, softmax, a power, a sum) runs in float32 under
+    the mode, with its bf16 inputs cast; what both autocasts narrow (a matmul) stays bf16; and
+    outside autocast nothing changes."""
+    import torch.nn.functional as F
+
+    from lightning_tbp.estimate.autocast_policy import CudaFloat32Ops
+
+    x = torch.randn(2, 4, 3, 3)
+    w = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        narrow = F.linear(x.flatten(2).transpose(1, 2), w)
+        assert F.group_norm(narrow, 1).dtype == torch.bfloat16  # CPU autocast's own choice
+        with CudaFloat32Ops():
+            assert F.linear(x.flatten(2).transpose(1, 2), w).dtype == torch.bfloat16
+            assert F.group_norm(narrow, 1).dtype == torch.float32
+            assert F.softmax(narrow, dim=-1).dtype == torch.float32
+            assert narrow.pow(2).dtype == torch.float32 and narrow.sum().dtype == torch.float32
+            assert (narrow * 2).dtype == torch.bfloat16  # not on the list
+    with CudaFloat32Ops():
+        assert F.group_norm(narrow, 1).dtype == torch.bfloat16  # autocast off: as called
+
+
+@pytest.mark.slow
+def test_a_bf16_mixed_cuda_estimate_meets_what_an_h200_measured() -> None:
+    """``ddpm_unet.yaml`` (bf16-mixed, 128², batch 64) estimated for CUDA on this CPU against
+    the peak of its three-step fit on an H200 (``docs/benchmarks/gpu_h200/estimate_check.json``):
+    within 5% (CPU autocast's op lists alone gave 0.59)."""
+    from estimate_check import CASES, fit_args
+
+    recorded = json.loads((ROOT / "docs/benchmarks/gpu_h200/estimate_check.json").read_text())
+    measured = recorded["rows"]["ddpm_unet_bf16"]["measured_bytes"]
+    case = next(c for c in CASES if c.name == "ddpm_unet_bf16")
+    with tempfile.TemporaryDirectory() as scratch:
+        estimate = estimate_config(fit_args(case, "cpu", 3, Path(scratch)), device="cuda", minimum=False)
+    assert abs(estimate.naive_peak_bytes / measured - 1) <= 0.05, (estimate.naive_peak_bytes, measured)
 
 
 def test_a_device_between_the_lowest_plan_and_naive_fits_with_a_plan_that_keeps_its_word() -> None:

@@ -10,7 +10,6 @@ datamodules have one), the precision from the Trainer, the planned target and th
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 
 import lightning.pytorch as pl
@@ -95,7 +94,6 @@ def estimate_config(
         step.layout = layout_of(trainer)
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
-        mixed.append(str(trainer.precision).endswith("-mixed"))
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)
         blocked = blockers(
             trainer,
@@ -114,7 +112,6 @@ def estimate_config(
         master_dtypes.append(getattr(trainer.strategy, "master_dtype", None))
         return step
 
-    mixed: list[bool] = []
     modes: list[tuple[bool | str, list[str]]] = []
     host_modes: list[str] = []
     state_modes: list[bool | str] = []
@@ -164,13 +161,6 @@ def estimate_config(
         whole = estimate.with_host_tier
         if state_on_device is not None and whole is not None and whole.host_state_bytes and _fits(whole):
             estimate.with_host_tier = _part_on_host(with_host_tier, state_on_device, whole)
-    if estimate.device == "cuda" and any(mixed):
-        warnings.warn(
-            "mixed precision on CUDA is estimated with CPU autocast's op lists, which keep group norm, layer norm "
-            "and softmax in the low precision where CUDA's autocast runs them in float32: read this estimate as a "
-            "lower bound (a 128x128 DDPM U-Net in bf16-mixed measured 1.7x its estimate on an H100; docs/estimate.md)",
-            stacklevel=2,
-        )
     return estimate
 
 

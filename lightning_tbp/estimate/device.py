@@ -48,6 +48,7 @@ class DeviceModel:
     foreach_optimizers: bool = False  # torch's optimizers default to their multi-tensor path here
     measures_workspaces: bool = False  # the kernels run on this machine: their workspaces are measured
     host_link_bytes_per_second: float = 0.0  # copies to the host tier and back, each way (0: no host tier)
+    cuda_autocast: bool = False  # mixed precision widens CUDA autocast's float32 list (``autocast_policy.py``)
 
     def fill_costs(self, trace: Trace) -> None:
         """Give every traced op a forward and backward time (ns) from the roofline."""
@@ -80,6 +81,7 @@ CUDA = DeviceModel(
     library_workspace_bytes=2 * 33 * 1024**2,
     foreach_optimizers=True,
     host_link_bytes_per_second=25e9,
+    cuda_autocast=True,
 )
 #: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use (the
 #: host tier a memcpy into fresh memory, ~5 GB/s each way).

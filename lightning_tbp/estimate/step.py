@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from lightning_tbp.compat import FAKE_VALUE_ERRORS, FakeTensorMode, fake_module_support, storage_key, tree_flatten
+from lightning_tbp.estimate.autocast_policy import CudaFloat32Ops
 from lightning_tbp.estimate.device import DeviceModel, device_model
 from lightning_tbp.estimate.layout import Layout, per_rank
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
@@ -262,11 +263,13 @@ def estimate_step(
     no gradients, with the last step's alive until its backward, with accumulated ones kept."""
     started = time.perf_counter()
     traces: list[Trace] = []
-    with FakeTensorMode(allow_non_fake_inputs=False), _values_refused():
+    with FakeTensorMode(allow_non_fake_inputs=False), _values_refused(), contextlib.ExitStack() as modelled:
         with fake_module_support():
             step = build()
         chosen = step.device if device is None else device
         model = device_model(chosen) if isinstance(chosen, str) else chosen
+        if model.cuda_autocast:
+            modelled.enter_context(CudaFloat32Ops())
         if model.foreach_optimizers:
             for optimizer in step.optimizers:
                 for group in optimizer.param_groups:

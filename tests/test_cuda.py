@@ -6,6 +6,7 @@ test here skips, and the same promises are tested on CPU elsewhere in the suite.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -346,3 +347,77 @@ def test_tbp_estimate_matches_a_whole_fit_on_cuda(tmp_path: Path) -> None:
     row = check(next(c for c in CASES if c.name == "ddpm_unet_tiny"), "cuda", steps=3, scratch=tmp_path)
     assert row["estimate_device"] == "cuda"
     assert abs(float(row["estimated_vs_measured"]) - 1) <= 0.05, row  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["tiny_backprop_fsdp", "tiny_backprop_fsdp2"])
+def test_a_sharded_strategy_on_one_gpu_plans_and_holds_its_budget(strategy: str, tmp_path: Path) -> None:
+    """FSDP1 and FSDP2 with a plan on one GPU (their own process each): a short fit of the zoo's
+    DiT whose metered loop steps hold the budget."""
+    out = tmp_path / "run.json"
+    script = Path(__file__).parent / "scripts" / "one_gpu_sharded.py"
+    completed = subprocess.run(
+        [sys.executable, str(script), strategy, str(out)], capture_output=True, text=True, timeout=240
+    )
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    run = json.loads(out.read_text())
+    assert run["loop_steps"] and all(step["peak_bytes"] <= step["budget_bytes"] for step in run["loop_steps"])
+
+
+def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_snapshot(
+    tmp_path: Path, record_property
+) -> None:
+    """``MemoryProfilerCallback(record_history=True)`` writes the allocator's history for the fit;
+    a step that runs out of memory leaves ``oom_snapshot_rank0.pickle``; the callback's cost per
+    step (median of the metered fit's steps against a fit without it) goes into the report."""
+    import time
+
+    import lightning as L
+    from models import Denoiser
+
+    from lightning_tbp import MemoryProfilerCallback
+
+    class StepTimes(L.Callback):
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+
+        def on_train_batch_start(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: object) -> None:
+            torch.cuda.synchronize()
+            self.seconds.append(time.perf_counter() - self._start)
+
+    class RunsOutOfMemory(Denoiser):
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if batch_idx == 3:
+                torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # a petabyte: refused at once
+            return super().training_step(batch, batch_idx)
+
+    data = torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(7))
+
+    def fit(model: L.LightningModule, callbacks: list, steps: int) -> None:
+        trainer = L.Trainer(
+            accelerator="gpu",
+            devices=1,
+            max_steps=steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        trainer.fit(model, DataLoader(TensorDataset(data), batch_size=4))
+
+    medians = {}
+    for name, extra in (("without", []), ("with", [MemoryProfilerCallback(every_n_steps=1, warmup_steps=2)])):
+        times = StepTimes()
+        fit(Denoiser(), [times, *extra], steps=12)
+        medians[name] = sorted(times.seconds[2:])[len(times.seconds[2:]) // 2]
+    record_property("median_step_seconds_without_and_with_the_callback", medians)
+
+    callback = MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=tmp_path, record_history=True)
+    with pytest.raises(torch.OutOfMemoryError):
+        fit(RunsOutOfMemory(), [callback], steps=8)
+    assert (tmp_path / "oom_snapshot_rank0.pickle").stat().st_size > 0
+    assert (tmp_path / "memory_history_rank0.pickle").stat().st_size > 0

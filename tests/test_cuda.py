@@ -410,7 +410,8 @@ def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_
         trainer.fit(model, DataLoader(TensorDataset(data), batch_size=4))
 
     medians = {}
-    for name, extra in (("without", []), ("with", [MemoryProfilerCallback(every_n_steps=1, warmup_steps=2)])):
+    metered = MemoryProfilerCallback(every_n_steps=1, warmup_steps=2, output_dir=tmp_path / "timed")
+    for name, extra in (("without", []), ("with", [metered])):
         times = StepTimes()
         fit(Denoiser(), [times, *extra], steps=12)
         medians[name] = sorted(times.seconds[2:])[len(times.seconds[2:]) // 2]

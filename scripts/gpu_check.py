@@ -205,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = [p for p in PARTS if (not args.only or p.name in args.only) and (p.smoke if smoke else p.gpu)]
     if args.list:
         for part in parts:
-            print(f"{part.name:12s} {part.smoke_limit_s if smoke else part.limit_s:4d} s")
-        print(f"total        {sum(p.smoke_limit_s if smoke else p.limit_s for p in parts):4d} s")
+            print(f"{part.name:16s} {part.smoke_limit_s if smoke else part.limit_s:4d} s")
+        print(f"total            {sum(p.smoke_limit_s if smoke else p.limit_s for p in parts):4d} s")
         return 0
     work = args.work or args.out / "gpu_check"
     work.mkdir(parents=True, exist_ok=True)

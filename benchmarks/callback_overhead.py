@@ -2,9 +2,9 @@
 
 Each configuration trains the digits DDPM (the main job's model) in its own process, repeated
 and interleaved, and reports the mean step time after a warm-up, the process's peak RSS and,
-on CUDA, the allocator's peak. On CUDA the callback only reads allocator counters; on CPU every
-metered batch (and the batch before it, from its backward on) runs inside torch's profiler,
-which is what the CPU figures show.
+on CUDA, the allocator's peak. On CUDA the callback reads allocator counters (and collects
+Python's garbage as a metered batch starts, as on CPU); on CPU every metered batch (and the batch
+before it, from its backward on) runs inside torch's profiler, which is what the CPU figures show.
 
     python benchmarks/callback_overhead.py --out docs/benchmarks --steps 60 --repeats 2
 """

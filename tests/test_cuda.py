@@ -368,25 +368,16 @@ def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_
 ) -> None:
     """``MemoryProfilerCallback(record_history=True)`` writes the allocator's history for the fit;
     a step that runs out of memory leaves ``oom_snapshot_rank0.pickle``; the callback's cost per
-    step (median of the metered fit's steps against a fit without it) goes into the report."""
-    import time
-
+    step (``benchmarks/callback_overhead.py``'s fit, metering every batch, against none) goes into
+    the report."""
     import lightning as L
+    from callback_overhead import run_one
     from models import Denoiser
 
     from lightning_tbp import MemoryProfilerCallback
 
-    class StepTimes(L.Callback):
-        def __init__(self) -> None:
-            self.seconds: list[float] = []
-
-        def on_train_batch_start(self, *args: object) -> None:
-            torch.cuda.synchronize()
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, *args: object) -> None:
-            torch.cuda.synchronize()
-            self.seconds.append(time.perf_counter() - self._start)
+    medians = {name: run_one(name, 12, 2, "cuda")["median_step_ms"] for name in ("no_callback", "callback_every_1")}
+    record_property("median_step_ms_without_and_with_the_callback", medians)
 
     class RunsOutOfMemory(Denoiser):
         def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
@@ -394,31 +385,19 @@ def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_
                 torch.empty(1 << 50, dtype=torch.uint8, device=self.device)  # a petabyte: refused at once
             return super().training_step(batch, batch_idx)
 
-    data = torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(7))
-
-    def fit(model: L.LightningModule, callbacks: list, steps: int) -> None:
-        trainer = L.Trainer(
-            accelerator="gpu",
-            devices=1,
-            max_steps=steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
-        trainer.fit(model, DataLoader(TensorDataset(data), batch_size=4))
-
-    medians = {}
-    metered = MemoryProfilerCallback(every_n_steps=1, warmup_steps=2, output_dir=tmp_path / "timed")
-    for name, extra in (("without", []), ("with", [metered])):
-        times = StepTimes()
-        fit(Denoiser(), [times, *extra], steps=12)
-        medians[name] = sorted(times.seconds[2:])[len(times.seconds[2:]) // 2]
-    record_property("median_step_seconds_without_and_with_the_callback", medians)
-
     callback = MemoryProfilerCallback(every_n_steps=1, warmup_steps=1, output_dir=tmp_path, record_history=True)
+    trainer = L.Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    data = torch.randn(64, 3, 32, 32, generator=torch.Generator().manual_seed(7))
     with pytest.raises(torch.OutOfMemoryError):
-        fit(RunsOutOfMemory(), [callback], steps=8)
+        trainer.fit(RunsOutOfMemory(), DataLoader(TensorDataset(data), batch_size=4))
     assert (tmp_path / "oom_snapshot_rank0.pickle").stat().st_size > 0
     assert (tmp_path / "memory_history_rank0.pickle").stat().st_size > 0

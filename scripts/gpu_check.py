@@ -58,7 +58,7 @@ PARTS: list[Part] = [
     *(
         Part(
             f"zoo_{name}",
-            limit_s=60,
+            limit_s=50,
             gpu=_bench("zoo.py", "--arch", name, "--device", "cuda", "--trials", "3", "--out", "{out}"),
             smoke=_bench("zoo.py", "--arch", name, "--trials", "1", "--out", "{out}"),
             smoke_limit_s=300,
@@ -67,7 +67,7 @@ PARTS: list[Part] = [
     ),
     Part(
         "unet_bf16",
-        limit_s=85,
+        limit_s=70,  # 69 s on an H200
         gpu=_bench(
             "unet_mem_bench.py",
             "--profile",
@@ -105,7 +105,7 @@ PARTS: list[Part] = [
     ),
     Part(
         "estimate",
-        limit_s=60,
+        limit_s=55,  # 51 s on an H200
         gpu=_bench("estimate_check.py", "--device", "cuda", "--out", "{out}"),
         smoke=_bench("estimate_check.py", "--device", "cpu", "--smoke", "--out", "{out}"),
     ),
@@ -160,7 +160,7 @@ PARTS: list[Part] = [
     ),
     Part(
         "metered_windows",
-        limit_s=45,  # what each metered step of the whole-fit and streamed tests saw, alive at its peak
+        limit_s=75,  # every meter region of the whole-fit, streamed and FSDP1 fits: what was alive at its peak
         gpu=_bench("metered_windows.py", "--out", "{out}"),
         smoke=[],
     ),

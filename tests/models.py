@@ -188,7 +188,7 @@ class Denoiser(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         (x,) = batch
-        t = torch.arange(x.shape[0]) * 97 % 1000
+        t = torch.arange(x.shape[0], device=x.device) * 97 % 1000
         noise = torch.randn_like(x)
         loss = (self(x + noise, t) - noise).pow(2).mean()
         self.log("loss", loss)

@@ -198,13 +198,16 @@ def test_cublas_workspaces_can_be_freed_on_a_gpu() -> None:
     if not torch.cuda.is_available():
         assert not hasattr(torch._C, "_cuda_clearCublasWorkspaces") or callable(torch._C._cuda_clearCublasWorkspaces)
         return
-    from lightning_tbp.memory.libraries import warm_library_workspaces
+    from lightning_tbp.memory.libraries import free_library_workspaces, warm_library_workspaces
 
-    warm_library_workspaces(torch.device("cuda"))
-    torch.cuda.synchronize()
+    device = torch.device("cuda")
+    warm_library_workspaces(device)
     held = torch.cuda.memory_allocated()
-    compat.clear_cublas_workspaces()
+    free_library_workspaces(device)  # through compat.clear_cublas_workspaces
     assert torch.cuda.memory_allocated() < held
+    warm_library_workspaces(device)  # made again: freeing them forgets that they were made
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == held
 
 
 def test_model_parallel_strategy_keeps_its_mesh_sizes_where_compat_sets_them() -> None:

@@ -352,15 +352,15 @@ def test_tbp_estimate_matches_a_whole_fit_on_cuda(tmp_path: Path) -> None:
 @pytest.mark.parametrize("strategy", ["tiny_backprop_fsdp", "tiny_backprop_fsdp2"])
 def test_a_sharded_strategy_on_one_gpu_plans_and_holds_its_budget(strategy: str, tmp_path: Path) -> None:
     """FSDP1 and FSDP2 with a plan on one GPU (their own process each): a short fit of the zoo's
-    DiT whose metered loop steps hold the budget."""
+    DiT whose metered loop steps hold the budget (on CPU: ``test_multi_device``'s FSDP2 fit)."""
     out = tmp_path / "run.json"
     script = Path(__file__).parent / "scripts" / "one_gpu_sharded.py"
     completed = subprocess.run(
         [sys.executable, str(script), strategy, str(out)], capture_output=True, text=True, timeout=240
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
-    run = json.loads(out.read_text())
-    assert run["loop_steps"] and all(step["peak_bytes"] <= step["budget_bytes"] for step in run["loop_steps"])
+    steps = json.loads(out.read_text())["loop_steps"]
+    assert steps and all(step["peak_bytes"] <= step["budget_bytes"] for step in steps), steps
 
 
 def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_snapshot(

@@ -187,6 +187,32 @@ def _assert_every_parameter_stepped_inside(out: Path, on_host: bool) -> None:
         assert counts == {"stepped": trainable, "after": 0, "on_host": on_host}, (rank, counts)
 
 
+def test_fsdp2_units_leave_a_block_the_models_forward_reaches_into_to_the_root() -> None:
+    """diffusers' DiT computes its conditioning with ``transformer_blocks[0].norm1.emb`` before any
+    block runs: sharded as a unit of its own, that block's weights would still be sharded there."""
+    from lightning_tbp.strategies.distributed import fsdp2_units
+    from lightning_tbp.testing.zoo_models import ZOO
+
+    units = fsdp2_units(ZOO["dit"].case(batch=1).model)
+    assert "transformer_blocks.0" not in units and "transformer_blocks.1" in units
+    assert fsdp2_units(ZOO["sd3"].case(batch=1).model)[0] == "transformer_blocks.0"
+
+
+@pytest.mark.slow
+def test_fsdp2_fits_a_dit_with_a_plan_within_its_budget(tmp_path) -> None:
+    """The zoo's DiT under ``tiny_backprop_fsdp2`` on CPU (gloo, one process): every metered step
+    within its budget (the script is the GPU check's, run here on the CPU)."""
+    out = tmp_path / "run.json"
+    script = Path(__file__).parent / "scripts" / "one_gpu_sharded.py"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    command = [sys.executable, str(script), "tiny_backprop_fsdp2", str(out), "cpu"]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    steps = json.loads(out.read_text())["loop_steps"]
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert all(s["peak_bytes"] <= s["budget_bytes"] for s in steps), steps
+
+
 @pytest.mark.slow
 def test_a_byte_budget_under_ddp_holds_for_the_whole_fit_with_its_gradient_buckets(tmp_path) -> None:
     """DDP keeps a flat copy of the gradients for the run (its buckets) and replaces it in the

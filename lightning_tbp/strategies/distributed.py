@@ -17,6 +17,8 @@ the others down) stay Lightning's. What changes:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -176,13 +178,30 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
 
 def fsdp2_units(module: nn.Module) -> list[str]:
     """Paths of the units :func:`shard_blocks` shards besides ``module`` itself: the entries of
-    its outermost ``ModuleList`` s."""
+    its outermost ``ModuleList`` s, except an entry that the list's owner reaches into by index in
+    its ``forward`` (diffusers' DiT computes its conditioning with
+    ``self.transformer_blocks[0].norm1.emb`` before any block runs). FSDP2 unshards a unit's
+    weights only around the unit's own forward, so a submodule called from outside it would meet
+    sharded weights; such an entry stays in the root's unit."""
     paths: list[str] = []
     for name, child in module.named_modules():
         inside = any(name.startswith(f"{p}.") for p in paths)
         if isinstance(child, nn.ModuleList) and not inside:
-            paths += [f"{name}.{index}" if name else str(index) for index in range(len(child))]
+            owner_path, _, attribute = name.rpartition(".")
+            reached = _indices_reached_from_forward(module.get_submodule(owner_path), attribute, len(child))
+            paths += [f"{name}.{i}" if name else str(i) for i in range(len(child)) if i not in reached]
     return paths
+
+
+def _indices_reached_from_forward(owner: nn.Module, attribute: str, length: int) -> set[int]:
+    """Entries of ``owner.<attribute>`` that ``owner``'s forward indexes with a literal
+    (``self.blocks[0]``, ``self.blocks[-1]``); none where the source cannot be read."""
+    try:
+        source = inspect.getsource(type(owner).forward)
+    except (OSError, TypeError):
+        return set()
+    found = re.findall(rf"self\.{re.escape(attribute)}\[\s*(-?\d+)\s*\]", source)
+    return {int(index) % length for index in found if -length <= int(index) < length}
 
 
 def shard_blocks(module: nn.Module, **fully_shard_kwargs: Any) -> list[str]:

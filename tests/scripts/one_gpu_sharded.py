@@ -1,7 +1,9 @@
-"""A sharded strategy on one GPU with a plan: a short ``Trainer.fit`` of the zoo's DiT, its metered
-loop steps written as JSON. Run as a script (its own process group, its own process).
+"""A sharded strategy on one device with a plan: a short ``Trainer.fit`` of the zoo's DiT (whose
+forward reaches into its first block), its metered loop steps written as JSON. Run as a script
+(its own process group, its own process).
 
-python one_gpu_sharded.py STRATEGY OUT_JSON     (STRATEGY: tiny_backprop_fsdp or tiny_backprop_fsdp2)
+python one_gpu_sharded.py STRATEGY OUT_JSON [ACCELERATOR]
+    STRATEGY: tiny_backprop_fsdp (CUDA only) or tiny_backprop_fsdp2; ACCELERATOR: gpu (default) or cpu
 """
 
 import json
@@ -17,13 +19,13 @@ from lightning_tbp import TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
 from lightning_tbp.testing.zoo_lightning import ZooModule
 
 
-def main(name: str, out: Path) -> None:
+def main(name: str, out: Path, accelerator: str = "gpu") -> None:
     module = ZooModule("dit", batch=4)
     loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=4)
     kind = {"tiny_backprop_fsdp": TinyBackpropFSDPStrategy, "tiny_backprop_fsdp2": TinyBackpropFSDP2Strategy}[name]
-    run = _fit(module, loader, kind(memory_budget=0.9), accelerator="gpu", max_steps=4)
+    run = _fit(module, loader, kind(memory_budget=0.9), accelerator=accelerator, max_steps=4)
     out.write_text(json.dumps({"loop_steps": run["loop_steps"]}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

@@ -267,7 +267,7 @@ def run_case(name: str, top_regions: int = 40) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="*", default=["main_job", "zoo_fit", "streamed"])
+    parser.add_argument("--cases", nargs="*", default=["main_job", "zoo_fit", "streamed", "fsdp1"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     if not torch.cuda.is_available():

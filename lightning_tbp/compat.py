@@ -227,6 +227,34 @@ def broadcast_module_states(module: torch.nn.Module) -> None:
     _sync_module_states(module)
 
 
+def fsdp2_gather_buffers(unit: torch.nn.Module) -> list[tuple[torch.Tensor, bool]]:
+    """The tensors FSDP2 all-gathers ``unit``'s own parameters into (its param groups' private
+    ``all_gather_outputs``, and the unsharded inner tensors of parameters with all-gather
+    extensions), each with whether its parameter trains: kept for the module's life, their
+    storage resized to nothing while sharded. Empty until the unit has been unsharded once."""
+    return [
+        (tensor, bool(param.sharded_param.requires_grad))
+        for group in _fsdp2_param_groups(unit)
+        for param in group.fsdp_params
+        for tensor in (*param.all_gather_outputs, *getattr(param, "_unsharded_inner_tensors", ()))
+    ]
+
+
+def fsdp2_reshards_after_forward(unit: torch.nn.Module) -> bool:
+    """Whether FSDP2 frees ``unit``'s gathered parameters when its forward ends (and gathers them
+    again for its backward): its param groups' private ``post_forward_mesh_info`` is set (FSDP2
+    clears it for the root, whose parameters stay gathered until the backward ends)."""
+    return any(group.post_forward_mesh_info is not None for group in _fsdp2_param_groups(unit))
+
+
+def _fsdp2_param_groups(unit: torch.nn.Module) -> list[Any]:
+    state = unit._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; one group before
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    return list(groups)
+
+
 def profiler_enabled() -> bool:
     """Whether any torch profiler session is running in this process (torch has no public query;
     the exact CPU meter cannot start a session beside another)."""

@@ -7,6 +7,9 @@ a DP step.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -274,3 +277,30 @@ def test_a_storage_weak_reference_expires_with_the_storage_not_with_a_view() -> 
     assert not reference.expired() and storage_key(view) == key  # the view keeps the storage
     del view
     assert reference.expired()
+
+
+def test_fsdp2_gather_buffers_and_resharding_are_read_from_its_param_groups() -> None:
+    """``fsdp2_gather_buffers`` and ``fsdp2_reshards_after_forward`` read FSDP2's private param
+    groups: in a process of its own (a gloo group of one), a unit's buffers exist after one
+    gather, sized as its parameters, and a block resharding after its forward says so."""
+    code = """
+import os, torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from lightning_tbp import compat
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29623")
+dist.init_process_group("gloo", rank=0, world_size=1)
+model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+fully_shard(model[0])
+fully_shard(model)
+assert compat.fsdp2_gather_buffers(model[0]) == []
+model(torch.randn(2, 8)).sum().backward()
+buffers = compat.fsdp2_gather_buffers(model[0])
+assert sum(t.numel() for t, _ in buffers) == 8 * 16 + 16 and all(trains for _, trains in buffers)
+assert all(t.untyped_storage().size() == 0 for t, _ in buffers)  # resharded: storage resized away
+assert compat.fsdp2_reshards_after_forward(model[0]) and not compat.fsdp2_reshards_after_forward(model)
+dist.destroy_process_group()
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert completed.returncode == 0, completed.stderr[-2000:]

@@ -39,6 +39,7 @@ from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
+from lightning_tbp.remat.fsdp_gathers import gather_spans
 from lightning_tbp.remat.host_weights import frozen_weights
 from lightning_tbp.remat.op_args import op_tensors
 from lightning_tbp.remat.ops import traits_of
@@ -86,6 +87,16 @@ class _Recorder(TorchDispatchMode):
         # the dtype autocast casts trainable weights to and caches (None: no cache), and those casts
         self.autocast_dtype: torch.dtype | None = None
         self.weight_casts: list[int] = []
+
+    def hold(self, tensor: torch.Tensor, nbytes: int, trains: bool) -> None:
+        """Register ``tensor``'s storage as held, at ``nbytes``, a trained parameter's if
+        ``trains`` (a buffer whose storage is resized to nothing while unused, parameters viewing
+        it: ``fsdp_gathers.py``)."""
+        key = storage_key(tensor)
+        if key is not None and key not in self.key_to_sid:
+            sid = self._new_storage(key, tensor, producer=-1, activation=False)
+            self.trace.storage_bytes[sid] = nbytes
+            self.trace.storage_needs_grad[sid] = trains
 
     def sid_of(self, tensor: torch.Tensor, *, activation: bool = False) -> int | None:
         """Storage id of ``tensor``, registering storages made outside the recorder."""
@@ -471,6 +482,7 @@ def record_trace(
     listening = listening_for_notes(file_note)
     try:
         with (
+            gather_spans(module, inside_call, lambda: trace.num_events, recorder.hold) as gathers,
             frozen_buffers(module),
             torch.random.fork_rng(devices=cuda_devices),
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),
@@ -482,6 +494,7 @@ def record_trace(
             trace.output_specs = [TensorSpec.of(t, t.requires_grad) for t in _output_tensors(output)]
             recorder.recording = False  # what dies now dies with the forward's result
             del output
+        trace.gather_spans = gathers
         outputs = set(trace.module_outputs)
         trace.autocast_cached = {
             sid for sid in recorder.weight_casts if trace.storage_death[sid] == -1 and sid not in outputs

@@ -189,6 +189,14 @@ class SimulatedStep:
         self.host = self.host_peak = streamed + loop.host_state_bytes
         self.stream_open = -1  # the streamed block whose forward holds its weights' copies now
         self.stream_copies: list[int] = []
+        # FSDP2 units' gathered parameters (``fsdp_gathers.py``): spans by their first and last
+        # events, and the spans gathered now
+        self.gather_firsts: dict[int, list[int]] = {}
+        self.gather_lasts: dict[int, list[int]] = {}
+        for index, span in enumerate(self.trace.gather_spans):
+            self.gather_firsts.setdefault(span.first_event, []).append(index)
+            self.gather_lasts.setdefault(span.last_event, []).append(index)
+        self.gathered: set[int] = set()
         # the loop's batch and what training_step made before the call, against the parameters
         # as loaded: streamed weights are off the device
         self.mem = alongside.total - streamed
@@ -246,7 +254,7 @@ class SimulatedStep:
 
         trace = self.trace
         # a prefix shared with other plans (``shared_prefix.py``): the plain single-pass step only
-        if shared is not None and (effects is not None or len(step.passes) > 1):
+        if shared is not None and (effects is not None or len(step.passes) > 1 or self.trace.gather_spans):
             shared = None
         key = shared.key(options) if shared is not None else None
         split = shared.split if shared is not None and key is not None else 0
@@ -640,7 +648,12 @@ class SimulatedStep:
         per_op_ns = save_scale = 0.0
         caching = False
         stashes_ending = 0  # RNG stashes that go as this recompute returns (``restash``)
+        gather_firsts, gather_lasts = self.gather_firsts, self.gather_lasts
         for event in range(lo, hi + 1):
+            if gather_firsts and event in gather_firsts:
+                self.gather(gather_firsts[event])
+            if gather_lasts and not recompute and event - 1 in gather_lasts and event > lo:
+                self.reshard(gather_lasts[event - 1])
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
                 ctx = self.context(node, region)
@@ -721,6 +734,8 @@ class SimulatedStep:
             if top and event in dead_release_at:  # dead branches' graphs go (``dead_branches``)
                 for dead in dead_release_at[event]:
                     self.release(self.event_holds.pop(dead, []))
+        if gather_lasts and not recompute and hi in gather_lasts:
+            self.reshard(gather_lasts[hi])
         if self.stream_open >= 0 and hi >= facts.last[self.stream_open]:
             self.stream_out()
         if recompute and hi < facts.last[region]:
@@ -733,6 +748,22 @@ class SimulatedStep:
                     self.python_refs.discard(sid)
                     self.maybe_free(sid)
         return kept
+
+    def gather(self, spans: list[int]) -> None:
+        """FSDP2 gathers these spans' units' parameters (unless they are gathered now)."""
+        for index in spans:
+            if index not in self.gathered:
+                self.gathered.add(index)
+                self.mem += self.trace.gather_spans[index].nbytes
+
+    def reshard(self, spans: list[int], after_backward: bool = False) -> None:
+        """These spans' units free their gathered parameters: after their forward where they
+        reshard then, after their backward always."""
+        for index in spans:
+            span = self.trace.gather_spans[index]
+            if index in self.gathered and (after_backward or span.regathered):
+                self.gathered.discard(index)
+                self.mem -= span.nbytes
 
     def stream_copy(self, sid: int) -> int:
         """A device copy of streamed weight ``sid``, referenced from Python: its new storage id."""
@@ -893,7 +924,10 @@ class SimulatedStep:
         event_node, backward_event = trace.event_node, self.backward_event
         idle = facts.top_backward_idle if region == 0 else facts.backward_idle
         event, node, ctx = hi, -1, -1
+        gather_firsts, gather_lasts = self.gather_firsts, self.gather_lasts
         while event >= lo:
+            if gather_lasts and event in gather_lasts:  # the backward reaches a unit: gathered again
+                self.gather(gather_lasts[event])
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
                 ctx = self.context(node, region)
@@ -902,6 +936,8 @@ class SimulatedStep:
                     self.tick()
                 else:
                     backward_event(event)
+                if gather_firsts and event in gather_firsts:  # the unit's backward is done
+                    self.reshard(gather_firsts[event], after_backward=True)
                 event -= 1
                 continue
             self.recompute_counts[ctx] = self.recompute_counts.get(ctx, 0) + 1

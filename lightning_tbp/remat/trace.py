@@ -28,6 +28,7 @@ from lightning_tbp.remat.overheads import StepOverheads
 
 if TYPE_CHECKING:
     from lightning_tbp.remat.calibrate import TensorSpec
+    from lightning_tbp.remat.fsdp_gathers import GatherSpan
     from lightning_tbp.remat.step import LayerNote
 
 
@@ -131,6 +132,8 @@ class Trace:
     # stand-ins (shape, strides, dtype, gradient) of the module's tensor outputs, in order: what
     # the loss a step computes from them is measured on (``loss.assumed_loss_bytes``)
     output_specs: list[TensorSpec] = field(default_factory=list)
+    # FSDP2 units' calls and the parameters each gathers (``fsdp_gathers.py``): added by the simulation
+    gather_spans: list[GatherSpan] = field(default_factory=list)
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
     unmeasured_workspaces: int = 0
     # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops

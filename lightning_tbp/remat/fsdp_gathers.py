@@ -41,8 +41,9 @@ class GatherSpan:
     regathered: bool  # freed when its forward ends and gathered again for its backward
 
 
-def fsdp2_units(module: nn.Module) -> list[nn.Module]:
-    """The modules under ``module`` (itself included) that FSDP2 shards as units."""
+def sharded_units(module: nn.Module) -> list[nn.Module]:
+    """The modules under ``module`` (itself included) that FSDP2 has sharded as units (the
+    strategy's choice of units is ``strategies.distributed.fsdp2_units``)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch built without distributed
@@ -62,23 +63,24 @@ def gather_spans(
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
     spans: list[GatherSpan] = []
-    units = fsdp2_units(module)
+    units = sharded_units(module)
     if not units or (dist.is_initialized() and dist.get_world_size() > 1):
         # across processes the collectives' own buffers (the reduce-scatter's input, kept until
         # the next unit's; a backend's copies) are not modelled yet: the recorder counts the
         # gather buffers as it sees them, as before this module (docs/multi_device.md)
         yield spans
         return
+    root_gathered = inside_call and module in units  # its pre-forward hook gathered it for this call
     sizes: dict[int, int] = {}
     for unit in units:
-        gathered_now = unit is module and inside_call  # its pre-forward hook gathered it for this call
-        if not gathered_now and not fsdp2_gather_buffers(unit):
+        if not (root_gathered and unit is module) and not fsdp2_gather_buffers(unit):
             unit.unshard()  # type: ignore[operator]  # FSDP2 makes a unit's buffers at its first gather
             unit.reshard()  # type: ignore[operator]
-        buffers = fsdp2_gather_buffers(unit)
-        for tensor, trains in buffers:
-            hold(tensor, tensor.numel() * tensor.element_size(), trains)
-        sizes[id(unit)] = sum(t.numel() * t.element_size() for t, _ in buffers)
+        sizes[id(unit)] = 0
+        for tensor, trains in fsdp2_gather_buffers(unit):
+            nbytes = tensor.numel() * tensor.element_size()
+            hold(tensor, nbytes, trains)
+            sizes[id(unit)] += nbytes
     opened: dict[int, list[int]] = {}
 
     def enter(unit: nn.Module, _: tuple) -> None:
@@ -93,15 +95,14 @@ def gather_spans(
 
     handles = []
     for unit in units:
-        if unit is module and inside_call:
-            opened[id(unit)] = [0]  # the root's call is the whole recording
-            continue
+        if root_gathered and unit is module:
+            continue  # its call is the whole recording
         regathered = unit is not module and fsdp2_reshards_after_forward(unit)
         handles.append(unit.register_forward_pre_hook(enter, prepend=True))
         handles.append(unit.register_forward_hook(leave_for(regathered)))
     try:
         yield spans
-        if inside_call and id(module) in opened:
+        if root_gathered:
             spans.append(GatherSpan(0, events_so_far() - 1, sizes[id(module)], False))
     finally:
         for handle in handles:

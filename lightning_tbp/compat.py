@@ -247,6 +247,15 @@ def fsdp2_reshards_after_forward(unit: torch.nn.Module) -> bool:
     return any(group.post_forward_mesh_info is not None for group in _fsdp2_param_groups(unit))
 
 
+def fsdp2_reduce_inputs_kept(unit: torch.nn.Module) -> int:
+    """How many reduce-scatter inputs FSDP2 keeps alive after their unit's backward (until as
+    many later units' post-backwards have run, or the backward ends): its param groups' private
+    ``reduce_scatter_max_input_buffers`` (torch 2.13; one, the last unit's, before it)."""
+    return max(
+        (getattr(group, "reduce_scatter_max_input_buffers", 1) for group in _fsdp2_param_groups(unit)), default=1
+    )
+
+
 def _fsdp2_param_groups(unit: torch.nn.Module) -> list[Any]:
     state = unit._get_fsdp_state()  # type: ignore[operator]
     groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.13; one group before

@@ -280,9 +280,10 @@ def test_a_storage_weak_reference_expires_with_the_storage_not_with_a_view() -> 
 
 
 def test_fsdp2_gather_buffers_and_resharding_are_read_from_its_param_groups() -> None:
-    """``fsdp2_gather_buffers`` and ``fsdp2_reshards_after_forward`` read FSDP2's private param
-    groups: in a process of its own (a gloo group of one), a unit's buffers exist after one
-    gather, sized as its parameters, and a block resharding after its forward says so."""
+    """``fsdp2_gather_buffers``, ``fsdp2_reshards_after_forward`` and ``fsdp2_reduce_inputs_kept``
+    read FSDP2's private param groups: in a process of its own (a gloo group of one), a unit's
+    buffers exist after one gather, sized as its parameters, a block resharding after its forward
+    says so, and one reduce-scatter input is kept unless the unit is told otherwise."""
     code = """
 import os, torch, torch.distributed as dist
 from torch import nn
@@ -299,6 +300,10 @@ buffers = compat.fsdp2_gather_buffers(model[0])
 assert sum(t.numel() for t, _ in buffers) == 8 * 16 + 16 and all(trains for _, trains in buffers)
 assert all(t.untyped_storage().size() == 0 for t, _ in buffers)  # resharded: storage resized away
 assert compat.fsdp2_reshards_after_forward(model[0]) and not compat.fsdp2_reshards_after_forward(model)
+assert compat.fsdp2_reduce_inputs_kept(model[0]) == 1
+if hasattr(model[0], "set_reduce_scatter_max_input_buffers"):  # torch 2.13
+    model[0].set_reduce_scatter_max_input_buffers(2)
+    assert compat.fsdp2_reduce_inputs_kept(model[0]) == 2
 dist.destroy_process_group()
 """
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}

@@ -217,9 +217,12 @@ def test_fsdp2_fits_a_dit_with_a_plan_within_its_budget(tmp_path) -> None:
 @pytest.mark.slow
 def test_fsdp2_plans_count_each_units_gathered_parameters(tmp_path) -> None:
     """FSDP2 frees and re-allocates a unit's gathered parameters by resizing their storage, which
-    the recorder cannot see: the plan adds them itself (``remat/fsdp_gathers.py``). Zoo models
-    sharded per block, planned cold (FSDP2's buffers made at planning) and after a step, every
-    plan's measured step within its budget and 5% of its prediction, none re-planned."""
+    the recorder cannot see, and keeps each unit's reduce-scatter input until the next unit's
+    backward: the plan adds both itself (``remat/fsdp_gathers.py``), and planning outside the
+    model's call leaves its root sharded as it found it (its forward alone would leave the root
+    gathered, and the next step would free bytes it never made). Zoo models sharded per block,
+    planned cold (FSDP2's buffers made at planning) and after a step, every plan's measured step
+    within its budget and 5% of its prediction, none re-planned."""
     out = tmp_path / "rows.json"
     script = Path(__file__).parent / "scripts" / "fsdp2_plan.py"
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
@@ -228,10 +231,11 @@ def test_fsdp2_plans_count_each_units_gathered_parameters(tmp_path) -> None:
     )
     assert completed.returncode == 0, completed.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert len(rows) == 8
+    assert len(rows) == 10
     for row in rows:
         assert row["measured"] <= row["budget_bytes"] and not row["replanned"], row
         assert abs(row["measured"] / row["predicted"] - 1) <= 0.05, row
+        assert not row["root_left_gathered"], row
 
 
 @pytest.mark.slow

@@ -11,24 +11,27 @@ its last one where the unit reshards after its forward, gathered again when the 
 the span (or a recompute runs into it) and freed after the backward of its first event. The
 root's parameters, gathered before its forward, stay until the backward ends.
 
-In one process (one device) that is the whole of what FSDP2 allocates: its reduce-scatter of a
-unit's gradients makes no transient above the level it starts at (measured on CPU with gloo).
-Across processes it keeps each reduce-scatter's full-size input until the next unit's and the
-backend adds copies of its own; those are not modelled yet, so there the buffers are left to the
-recorder as before (over-counted when first made inside the profile, else not counted).
+After a unit's backward, FSDP2 copies its parameters' gradients into one reduce-scatter input
+(their full size) and keeps that buffer alive until the next unit's post-backward (or as many
+later ones as the unit is told, ``set_reduce_scatter_max_input_buffers``), the last ones until
+the backward ends: the simulation keeps them too. In one process that is the whole of what FSDP2
+allocates (measured on CPU with gloo). Across processes it also prefetches the next unit's
+all-gather output during a unit's backward, and the backend adds copies of its own; those are
+not modelled yet, so there the buffers are left to the recorder as before (over-counted when
+first made inside the profile, else not counted).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_tbp.compat import fsdp2_gather_buffers, fsdp2_reshards_after_forward
+from lightning_tbp.compat import fsdp2_gather_buffers, fsdp2_reduce_inputs_kept, fsdp2_reshards_after_forward
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,18 @@ class GatherSpan:
     last_event: int
     nbytes: int
     regathered: bool  # freed when its forward ends and gathered again for its backward
+    # the unit's post-backward runs after this call's backward (its first call in the forward),
+    # and its reduce-scatter input, kept after it, holds ``reduce_bytes`` (its gradients' bytes)
+    post_backward: bool = False
+    reduce_bytes: int = 0
+
+
+@dataclass
+class Gathers:
+    """What a profile records of FSDP2: its units' spans, and how many reduce-scatter inputs it keeps."""
+
+    spans: list[GatherSpan] = field(default_factory=list)
+    reduce_inputs_kept: int = 1
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:
@@ -51,37 +66,69 @@ def sharded_units(module: nn.Module) -> list[nn.Module]:
     return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
 
 
+def _gathered_now(unit: nn.Module) -> bool:
+    return any(tensor.untyped_storage().nbytes() for tensor, _ in fsdp2_gather_buffers(unit))
+
+
+@contextlib.contextmanager
+def root_left_as_found(module: nn.Module, inside_call: bool) -> Iterator[None]:
+    """Planning runs ``module``'s forward with no backward after it (the profile, the timings),
+    and FSDP2 keeps a root's parameters gathered from its forward until a backward ends: a plan
+    made outside the module's call would leave them gathered, so the next step, whose plan counts
+    their gather, would find them made already (and free them in its backward). So a root that
+    was sharded before planning is resharded after it. Inside the call, the call's own forward
+    gathered them, and they stay."""
+    root_sharded = not inside_call and module in sharded_units(module) and not _gathered_now(module)
+    try:
+        yield
+    finally:
+        if root_sharded and _gathered_now(module):
+            module.reshard()  # type: ignore[operator]
+
+
 @contextlib.contextmanager
 def gather_spans(
     module: nn.Module,
     inside_call: bool,
     events_so_far: Callable[[], int],
     hold: Callable[[torch.Tensor, int, bool], None],
-) -> Iterator[list[GatherSpan]]:
+) -> Iterator[Gathers]:
     """While recording ``module``'s forward: the spans of its FSDP2 units' calls, filled in as
-    they run (empty where nothing is sharded). ``hold(tensor, nbytes, trains)`` registers a
+    they run (none where nothing is sharded). ``hold(tensor, nbytes, trains)`` registers a
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
-    spans: list[GatherSpan] = []
+    gathers = Gathers()
+    spans = gathers.spans
     units = sharded_units(module)
     if not units or (dist.is_initialized() and dist.get_world_size() > 1):
-        # across processes the collectives' own buffers (the reduce-scatter's input, kept until
-        # the next unit's; a backend's copies) are not modelled yet: the recorder counts the
-        # gather buffers as it sees them, as before this module (docs/multi_device.md)
-        yield spans
+        # across processes the collectives' own buffers (the next unit's all-gather prefetched in
+        # the backward; a backend's copies) are not modelled yet: the recorder counts the gather
+        # buffers as it sees them, as before this module (docs/multi_device.md)
+        yield gathers
         return
     root_gathered = inside_call and module in units  # its pre-forward hook gathered it for this call
     sizes: dict[int, int] = {}
+    trained: dict[int, int] = {}  # bytes of the unit's gradients (its trainable parameters)
     for unit in units:
         if not (root_gathered and unit is module) and not fsdp2_gather_buffers(unit):
             unit.unshard()  # type: ignore[operator]  # FSDP2 makes a unit's buffers at its first gather
             unit.reshard()  # type: ignore[operator]
-        sizes[id(unit)] = 0
+        sizes[id(unit)] = trained[id(unit)] = 0
         for tensor, trains in fsdp2_gather_buffers(unit):
             nbytes = tensor.numel() * tensor.element_size()
             hold(tensor, nbytes, trains)
             sizes[id(unit)] += nbytes
+            trained[id(unit)] += nbytes if trains else 0
+        gathers.reduce_inputs_kept = max(gathers.reduce_inputs_kept, fsdp2_reduce_inputs_kept(unit))
     opened: dict[int, list[int]] = {}
+    called: set[int] = set()  # units whose first call's span is recorded
+
+    def span_of(unit: nn.Module, first: int, last: int, regathered: bool) -> GatherSpan:
+        first_call = id(unit) not in called
+        called.add(id(unit))
+        post_backward = first_call and sizes[id(unit)] > 0  # a unit with no parameters has no param group
+        reduce_bytes = trained[id(unit)] if post_backward else 0
+        return GatherSpan(first, last, sizes[id(unit)], regathered, post_backward, reduce_bytes)
 
     def enter(unit: nn.Module, _: tuple) -> None:
         opened.setdefault(id(unit), []).append(events_so_far())
@@ -89,7 +136,7 @@ def gather_spans(
     def leave_for(regathered: bool) -> Callable[[nn.Module, tuple, object], None]:
         def leave(unit: nn.Module, _: tuple, __: object) -> None:
             first = opened[id(unit)].pop()
-            spans.append(GatherSpan(first, events_so_far() - 1, sizes[id(unit)], regathered))
+            spans.append(span_of(unit, first, events_so_far() - 1, regathered))
 
         return leave
 
@@ -101,9 +148,9 @@ def gather_spans(
         handles.append(unit.register_forward_pre_hook(enter, prepend=True))
         handles.append(unit.register_forward_hook(leave_for(regathered)))
     try:
-        yield spans
+        yield gathers
         if root_gathered:
-            spans.append(GatherSpan(0, events_so_far() - 1, sizes[id(module)], False))
+            spans.append(span_of(module, 0, events_so_far() - 1, False))
     finally:
         for handle in handles:
             handle.remove()

@@ -40,6 +40,7 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
+from lightning_tbp.remat.fsdp_gathers import root_left_as_found
 from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
@@ -368,10 +369,13 @@ class Plan:
         block_inputs = BlockInputs(self.module) if self._calibration is None and not by_flops else None
         try:
             start = time.perf_counter()
-            trace = record_trace(self.module, args, kwargs, inside_call=self._inside_call, block_inputs=block_inputs)
-            if block_inputs is not None:
-                soft = (Option.SELECTIVE, Option.LAZY) if self._selective(trace) else (Option.LAZY,)
-                self._calibration = calibrate(self.module, trace, block_inputs, (Option.FULL, *soft))
+            with root_left_as_found(self.module, self._inside_call):
+                trace = record_trace(
+                    self.module, args, kwargs, inside_call=self._inside_call, block_inputs=block_inputs
+                )
+                if block_inputs is not None:
+                    soft = (Option.SELECTIVE, Option.LAZY) if self._selective(trace) else (Option.LAZY,)
+                    self._calibration = calibrate(self.module, trace, block_inputs, (Option.FULL, *soft))
             profile_seconds = time.perf_counter() - start
         finally:
             self._active.update(active)

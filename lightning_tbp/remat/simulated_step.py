@@ -197,6 +197,7 @@ class SimulatedStep:
             self.gather_firsts.setdefault(span.first_event, []).append(index)
             self.gather_lasts.setdefault(span.last_event, []).append(index)
         self.gathered: set[int] = set()
+        self.reduce_inputs: list[int] = []  # the reduce-scatter inputs FSDP2 keeps, oldest first
         # the loop's batch and what training_step made before the call, against the parameters
         # as loaded: streamed weights are off the device
         self.mem = alongside.total - streamed
@@ -764,6 +765,21 @@ class SimulatedStep:
             if index in self.gathered and (after_backward or span.regathered):
                 self.gathered.discard(index)
                 self.mem -= span.nbytes
+            if after_backward and span.post_backward:
+                self.post_backward(span.reduce_bytes)
+
+    def post_backward(self, reduce_bytes: int) -> None:
+        """A unit's post-backward, after its resharding: FSDP2 frees the oldest reduce-scatter
+        inputs it keeps (down to one fewer than it may keep), then copies the unit's gradients
+        into a new one (``reduce_bytes``), kept; its sharded gradients replace the full ones
+        (the same bytes in one process)."""
+        kept = self.reduce_inputs
+        while kept and len(kept) >= self.trace.reduce_inputs_kept:
+            self.mem -= kept.pop(0)
+        if reduce_bytes:
+            kept.append(reduce_bytes)
+            self.mem += reduce_bytes
+            self.tick()
 
     def stream_copy(self, sid: int) -> int:
         """A device copy of streamed weight ``sid``, referenced from Python: its new storage id."""
@@ -894,6 +910,8 @@ class SimulatedStep:
         """The step's effects end the pass, then its leftover activation gradients go (a retained
         pass's saves stay for the next)."""
         self.effects.end_pass()
+        self.mem -= sum(self.reduce_inputs)  # FSDP2's final callback frees the ones it kept
+        self.reduce_inputs.clear()
         for sid in [s for s in self.grads if self.facts.is_activation[s]]:
             self.free_grad(sid)
         self.mem -= sum(self.pieces.values())

@@ -13,25 +13,33 @@ from pathlib import Path
 import torch.distributed as dist
 
 from lightning_tbp import rematerialize
+from lightning_tbp.compat import fsdp2_gather_buffers
 from lightning_tbp.strategies.distributed import shard_blocks
 from lightning_tbp.testing.zoo_models import ZOO
 
-CASES = [("dit", True), ("dit", False), ("sd3", False), ("unet2d", False)]
-BUDGETS = (0.8, 0.6)
+# the DiT's lowest budget plans most of its blocks lazily: its peak falls after the last block's
+# backward, where FSDP2 keeps that block's reduce-scatter input
+CASES = [
+    ("dit", True, (0.8, 0.6, 0.55)),
+    ("dit", False, (0.8, 0.6, 0.55)),
+    ("sd3", False, (0.8, 0.6)),
+    ("unet2d", False, (0.8, 0.6)),
+]
 
 
 def main(out: Path, port: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
     dist.init_process_group("gloo", rank=0, world_size=1)
     rows = []
-    for name, cold in CASES:
+    for name, cold, budgets in CASES:
         case = ZOO[name].case(batch=4)
         shard_blocks(case.model)
         if not cold:
             case.step()
             case.model.zero_grad(set_to_none=True)
-        for budget in BUDGETS:
+        for budget in budgets:
             plan = rematerialize(case.model, *case.args, memory_budget=budget, **case.kwargs)
+            root_left_gathered = any(t.untyped_storage().nbytes() for t, _ in fsdp2_gather_buffers(case.model))
             verdict = plan.verify(case.step)
             case.model.zero_grad(set_to_none=True)
             plan.remove()
@@ -44,6 +52,7 @@ def main(out: Path, port: str) -> None:
                     "measured": verdict.measured_bytes,
                     "budget_bytes": verdict.budget_bytes,
                     "replanned": verdict.replanned,
+                    "root_left_gathered": root_left_gathered,
                 }
             )
     out.write_text(json.dumps(rows))

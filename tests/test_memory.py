@@ -270,16 +270,23 @@ _CHATTER_LINES = [
     b"traces with GPU events on arbitrary tracks\n",
     b"[W1126 21:33:37.274944199 CPUAllocator.cpp:245] Memory block of unknown size was allocated before the "
     b"profiling started, profiler results will not include the deallocation event\n",
+    # in a process of a distributed group torch puts the rank first
+    b"[rank0]:[W1130 03:50:23.052000199 profiler_kineto.cpp:814] Toggling CPU activity with GPU activity on may "
+    b"result in traces with GPU events on arbitrary tracks\n",
+    b"[rank1]:USDT:2026-11-30 03:50:23 1131:1131 SyncActivityProfilerHandler.cpp:52] profiler_stop\n",
 ]
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     pieces=st.lists(
-        st.one_of(st.binary(max_size=12), st.sampled_from([b"\n", b"\r", b"[W", b"US", b"USDT: not chatter\n"])),
+        st.one_of(
+            st.binary(max_size=12),
+            st.sampled_from([b"\n", b"\r", b"[W", b"US", b"USDT: not chatter\n", b"[rank", b"[rank0]: not chatter\n"]),
+        ),
         max_size=12,
     ),
-    chatter_at=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 2)), max_size=4),
+    chatter_at=st.lists(st.tuples(st.integers(0, 12), st.integers(0, len(_CHATTER_LINES) - 1)), max_size=4),
     cuts=st.lists(st.integers(0, 400), max_size=6),
 )
 def test_the_chatter_filter_passes_every_other_byte_through_wherever_the_stream_is_cut(pieces, chatter_at, cuts):

@@ -7,7 +7,7 @@ warning whenever op recording is switched (the meter's sessions record no ops, s
 unknown size`` warning when a block allocated outside any session is freed inside one. All go
 from C++ straight to file descriptor 2; no environment variable read after torch is imported
 silences them, and the exact meter runs sessions on every metered step (the main job printed 154
-such lines). So while the meter's sessions run, descriptor 2 is a pipe: a thread forwards every
+such lines; in a distributed process each is prefixed by its rank). So while the meter's sessions run, descriptor 2 is a pipe: a thread forwards every
 byte to the real stderr as it comes, except these lines. A partial line that cannot be the start
 of one (a progress bar redrawn with a carriage return) is forwarded at once, and chatter written
 after such a partial line is taken out of it, so nothing else is held back or reordered.
@@ -21,23 +21,33 @@ import re
 import sys
 import threading
 
-#: The lines dropped, as torch 2.13 prints them.
+#: The lines dropped, as torch 2.13 prints them; in a process of a distributed group, torch puts
+#: the rank before each (``[rank0]:``).
 _WARNING = rb"\[W\d{4} [\d:.]+ "  # c10's warning header: [W1126 21:33:37.274944199 file.cpp:245]
+_RANK = rb"(?:\[rank\d+\]:)?"
 CHATTER = re.compile(
-    rb"USDT:[\d-]+ [\d:]+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)"
+    _RANK
+    + rb"(?:USDT:[\d-]+ [\d:]+ \d+:\d+ SyncActivityProfilerHandler\.cpp:\d+\] profiler_(?:start|stop)"
     + rb"|"
     + _WARNING
     + rb"CPUAllocator\.cpp:\d+\] Memory block of unknown size was allocated before the profiling"
     + rb"|"
     + _WARNING
-    + rb"profiler_kineto\.cpp:\d+\] Toggling CPU activity with GPU activity on"
+    + rb"profiler_kineto\.cpp:\d+\] Toggling CPU activity with GPU activity on)"
 )
 _CHATTER_STARTS = (b"USDT:", b"[W")
+_RANK_PREFIX = re.compile(rb"\[rank\d+\]:")
+_RANK_PREFIX_BEGUN = re.compile(rb"\[(?:r(?:a(?:n(?:k\d*\]?)?)?)?)?")
 _DRAIN_SECONDS = 2.0
 
 
 def _may_be_chatter(head: bytes) -> bool:
     """Whether a line beginning with ``head`` could still turn out to be chatter."""
+    rank = _RANK_PREFIX.match(head)
+    if rank is not None:
+        head = head[rank.end() :]
+    elif _RANK_PREFIX_BEGUN.fullmatch(head):
+        return True
     return any(start.startswith(head[: len(start)]) for start in _CHATTER_STARTS)
 
 

@@ -7,8 +7,9 @@ warning whenever op recording is switched (the meter's sessions record no ops, s
 unknown size`` warning when a block allocated outside any session is freed inside one. All go
 from C++ straight to file descriptor 2; no environment variable read after torch is imported
 silences them, and the exact meter runs sessions on every metered step (the main job printed 154
-such lines; in a distributed process each is prefixed by its rank). So while the meter's sessions run, descriptor 2 is a pipe: a thread forwards every
-byte to the real stderr as it comes, except these lines. A partial line that cannot be the start
+such lines; in a distributed process each starts with its rank). So while the meter's sessions
+run, descriptor 2 is a pipe: a thread forwards every byte to the real stderr as it comes, except
+these lines. A partial line that cannot be the start
 of one (a progress bar redrawn with a carriage return) is forwarded at once, and chatter written
 after such a partial line is taken out of it, so nothing else is held back or reordered.
 """

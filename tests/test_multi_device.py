@@ -214,6 +214,26 @@ def test_fsdp2_fits_a_dit_with_a_plan_within_its_budget(tmp_path) -> None:
     assert all(abs(s["ratio"] - 1) <= 0.05 for s in steps), steps  # FSDP2's gathers in the prediction
 
 
+def _fsdp2_plan_rows(tmp_path: Path, port: str, world: int) -> list[list[dict]]:
+    out = tmp_path / "rows.json"
+    script = Path(__file__).parent / "scripts" / "fsdp2_plan.py"
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    completed = subprocess.run(
+        [sys.executable, str(script), str(out), port, str(world)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def _assert_fsdp2_plans_hold(ranks: list[list[dict]]) -> None:
+    for rows in ranks:
+        assert len(rows) == 10
+        for row in rows:
+            assert row["measured"] <= row["budget_bytes"] and not row["replanned"], row
+            assert abs(row["measured"] / row["predicted"] - 1) <= 0.05, row
+            assert not row["root_left_gathered"], row
+
+
 @pytest.mark.slow
 def test_fsdp2_plans_count_each_units_gathered_parameters(tmp_path) -> None:
     """FSDP2 frees and re-allocates a unit's gathered parameters by resizing their storage, which
@@ -223,19 +243,18 @@ def test_fsdp2_plans_count_each_units_gathered_parameters(tmp_path) -> None:
     gathered, and the next step would free bytes it never made). Zoo models sharded per block,
     planned cold (FSDP2's buffers made at planning) and after a step, every plan's measured step
     within its budget and 5% of its prediction, none re-planned."""
-    out = tmp_path / "rows.json"
-    script = Path(__file__).parent / "scripts" / "fsdp2_plan.py"
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    completed = subprocess.run(
-        [sys.executable, str(script), str(out), "29612"], capture_output=True, text=True, timeout=600, env=env
-    )
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = json.loads(out.read_text())
-    assert len(rows) == 10
-    for row in rows:
-        assert row["measured"] <= row["budget_bytes"] and not row["replanned"], row
-        assert abs(row["measured"] / row["predicted"] - 1) <= 0.05, row
-        assert not row["root_left_gathered"], row
+    _assert_fsdp2_plans_hold(_fsdp2_plan_rows(tmp_path, "29612", world=1))
+
+
+@pytest.mark.slow
+def test_fsdp2_plans_across_two_processes_count_the_collectives_buffers(tmp_path) -> None:
+    """Across processes FSDP2 also keeps each unit's flat all-gather output until the next
+    unit's copy-out in the forward, prefetches the next unit's in the backward, and keeps 1/world
+    of each gradient: modelled as well, the same plans on each of two ranks (gloo) are within
+    their budgets and 5% of their predictions (the recorder alone read 1.24-1.49x after a warm
+    step, over budget). Each rank's step is one the CPU meter read whole (gloo's threads can
+    free a buffer where the meter does not look: ``tests/scripts/fsdp2_plan.py``)."""
+    _assert_fsdp2_plans_hold(_fsdp2_plan_rows(tmp_path, "29634", world=2))
 
 
 @pytest.mark.slow

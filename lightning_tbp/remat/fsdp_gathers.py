@@ -54,6 +54,7 @@ class Gathers:
 
     spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1
+    world: int = 1  # the processes FSDP2 shards over
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:
@@ -97,13 +98,13 @@ def gather_spans(
     they run (none where nothing is sharded). ``hold(tensor, nbytes, trains)`` registers a
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
-    gathers = Gathers()
+    distributed = dist.is_available() and dist.is_initialized()
+    gathers = Gathers(
+        world=dist.get_world_size() if distributed else 1,
+    )
     spans = gathers.spans
     units = sharded_units(module)
-    if not units or (dist.is_initialized() and dist.get_world_size() > 1):
-        # across processes the collectives' own buffers (the next unit's all-gather prefetched in
-        # the backward; a backend's copies) are not modelled yet: the recorder counts the gather
-        # buffers as it sees them, as before this module (docs/multi_device.md)
+    if not units:
         yield gathers
         return
     root_gathered = inside_call and module in units  # its pre-forward hook gathered it for this call

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_tbp.remat.folding import ChainFold
+from lightning_tbp.remat.fsdp_gathers import GatherSpan
 from lightning_tbp.remat.host_tier import offloaded
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
@@ -198,6 +199,10 @@ class SimulatedStep:
             self.gather_lasts.setdefault(span.last_event, []).append(index)
         self.gathered: set[int] = set()
         self.reduce_inputs: list[int] = []  # the reduce-scatter inputs FSDP2 keeps, oldest first
+        self.flat_gathered = 0  # across processes: the forward's last all-gather output, kept
+        self.prefetched: dict[int, int] = {}  # spans whose all-gather output a backward prefetch made
+        # per span, the span whose unit's forward ended last before it (FSDP2's backward prefetch)
+        self.prefetch_target = _prefetch_targets(self.trace.gather_spans)
         # the loop's batch and what training_step made before the call, against the parameters
         # as loaded: streamed weights are off the device
         self.mem = alongside.total - streamed
@@ -652,7 +657,7 @@ class SimulatedStep:
         gather_firsts, gather_lasts = self.gather_firsts, self.gather_lasts
         for event in range(lo, hi + 1):
             if gather_firsts and event in gather_firsts:
-                self.gather(gather_firsts[event])
+                self.gather(gather_firsts[event], in_forward=not recompute)
             if gather_lasts and not recompute and event - 1 in gather_lasts and event > lo:
                 self.reshard(gather_lasts[event - 1])
             if event_node[event] != node:  # a block's events mostly run back to back
@@ -737,6 +742,9 @@ class SimulatedStep:
                     self.release(self.event_holds.pop(dead, []))
         if gather_lasts and not recompute and hi in gather_lasts:
             self.reshard(gather_lasts[hi])
+        if self.flat_gathered and region == 0 and not recompute and hi == self.trace.num_events - 1:
+            self.mem -= self.flat_gathered  # the root's post-forward frees the last all-gather output
+            self.flat_gathered = 0
         if self.stream_open >= 0 and hi >= facts.last[self.stream_open]:
             self.stream_out()
         if recompute and hi < facts.last[region]:
@@ -750,12 +758,42 @@ class SimulatedStep:
                     self.maybe_free(sid)
         return kept
 
-    def gather(self, spans: list[int]) -> None:
-        """FSDP2 gathers these spans' units' parameters (unless they are gathered now)."""
+    def gather(self, spans: list[int], in_forward: bool = False) -> None:
+        """FSDP2 gathers these spans' units' parameters (unless they are gathered now). Across
+        processes it all-gathers into one flat output first and copies out of it: in the forward
+        the output stays until the next unit's copy-out (the root's post-forward frees the last),
+        elsewhere it goes after its own, unless a prefetch made it earlier (``pre_backward``)."""
+        across = self.trace.fsdp_world > 1
         for index in spans:
-            if index not in self.gathered:
-                self.gathered.add(index)
-                self.mem += self.trace.gather_spans[index].nbytes
+            if index in self.gathered:
+                continue
+            self.gathered.add(index)
+            nbytes = self.trace.gather_spans[index].nbytes
+            if not across or not nbytes:
+                self.mem += nbytes
+            elif in_forward:
+                self.mem += nbytes  # this unit's all-gather output
+                self.tick()
+                self.mem += nbytes - self.flat_gathered  # the last one freed, then the copy-out
+                self.flat_gathered = nbytes
+            else:
+                flat = self.prefetched.pop(index, 0)
+                self.mem += nbytes + (0 if flat else nbytes)
+                self.tick()
+                self.mem -= nbytes
+
+    def pre_backward(self, spans: list[int]) -> None:
+        """The backward reaches these spans' units: each is gathered again (where it was freed
+        after its forward), and across processes FSDP2 then prefetches the unit whose forward
+        ended just before: its all-gather output is made now, copied out when its backward comes."""
+        self.gather(spans)
+        if self.trace.fsdp_world == 1:
+            return
+        for index in spans:
+            before = self.prefetch_target[index]
+            if before >= 0 and before not in self.gathered and before not in self.prefetched:
+                self.prefetched[before] = self.trace.gather_spans[before].nbytes
+                self.mem += self.prefetched[before]
 
     def reshard(self, spans: list[int], after_backward: bool = False) -> None:
         """These spans' units free their gathered parameters: after their forward where they
@@ -780,6 +818,10 @@ class SimulatedStep:
             kept.append(reduce_bytes)
             self.mem += reduce_bytes
             self.tick()
+            if not self.steps_in_backward:  # the sharded gradients are a 1/world share of the full ones
+                sharded_away = reduce_bytes - reduce_bytes // self.trace.fsdp_world
+                self.mem -= sharded_away
+                self.parameter_grads -= sharded_away
 
     def stream_copy(self, sid: int) -> int:
         """A device copy of streamed weight ``sid``, referenced from Python: its new storage id."""
@@ -945,7 +987,7 @@ class SimulatedStep:
         gather_firsts, gather_lasts = self.gather_firsts, self.gather_lasts
         while event >= lo:
             if gather_lasts and event in gather_lasts:  # the backward reaches a unit: gathered again
-                self.gather(gather_lasts[event])
+                self.pre_backward(gather_lasts[event])
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
                 ctx = self.context(node, region)
@@ -1132,3 +1174,14 @@ class SimulatedStep:
         if not self.grad_views[base] and base in self.grad_orphans:
             self.grad_orphans.discard(base)
             self.mem -= self.facts.sizes[base]
+
+
+def _prefetch_targets(spans: list[GatherSpan]) -> list[int]:
+    """Per span (in the order its units' forwards ended, FSDP2's post-forward order), the one
+    before it whose unit has parameters (one without has no param group to gather): -1 if none."""
+    targets, last = [], -1
+    for index, span in enumerate(spans):
+        targets.append(last)
+        if span.nbytes:
+            last = index
+    return targets

@@ -135,6 +135,7 @@ class Trace:
     # FSDP2 units' calls and the parameters each gathers (``fsdp_gathers.py``): added by the simulation
     gather_spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1  # reduce-scatter inputs FSDP2 keeps after their units' backward
+    fsdp_world: int = 1  # the processes FSDP2 shards over
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
     unmeasured_workspaces: int = 0
     # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops

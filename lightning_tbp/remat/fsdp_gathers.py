@@ -55,6 +55,7 @@ class Gathers:
     spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1
     world: int = 1  # the processes FSDP2 shards over
+    gloo: bool = False  # its collectives run over gloo
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:
@@ -101,6 +102,7 @@ def gather_spans(
     distributed = dist.is_available() and dist.is_initialized()
     gathers = Gathers(
         world=dist.get_world_size() if distributed else 1,
+        gloo=distributed and dist.get_backend() == "gloo",
     )
     spans = gathers.spans
     units = sharded_units(module)

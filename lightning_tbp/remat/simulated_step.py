@@ -772,15 +772,24 @@ class SimulatedStep:
             if not across or not nbytes:
                 self.mem += nbytes
             elif in_forward:
-                self.mem += nbytes  # this unit's all-gather output
-                self.tick()
+                self.all_gather(nbytes)  # this unit's all-gather output
                 self.mem += nbytes - self.flat_gathered  # the last one freed, then the copy-out
                 self.flat_gathered = nbytes
             else:
-                flat = self.prefetched.pop(index, 0)
-                self.mem += nbytes + (0 if flat else nbytes)
+                if not self.prefetched.pop(index, 0):
+                    self.all_gather(nbytes)
+                self.mem += nbytes  # the copy-out, then the output freed
                 self.tick()
                 self.mem -= nbytes
+
+    def all_gather(self, nbytes: int) -> None:
+        """An all-gather of ``nbytes`` into a new flat output; gloo gathers through a copy of as
+        many bytes, freed when it returns."""
+        self.mem += nbytes
+        transient = nbytes if self.trace.fsdp_gloo else 0
+        self.mem += transient
+        self.tick()
+        self.mem -= transient
 
     def pre_backward(self, spans: list[int]) -> None:
         """The backward reaches these spans' units: each is gathered again (where it was freed
@@ -793,7 +802,7 @@ class SimulatedStep:
             before = self.prefetch_target[index]
             if before >= 0 and before not in self.gathered and before not in self.prefetched:
                 self.prefetched[before] = self.trace.gather_spans[before].nbytes
-                self.mem += self.prefetched[before]
+                self.all_gather(self.prefetched[before])
 
     def reshard(self, spans: list[int], after_backward: bool = False) -> None:
         """These spans' units free their gathered parameters: after their forward where they

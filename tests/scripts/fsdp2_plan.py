@@ -83,8 +83,7 @@ def rows_for(world: int) -> list[dict]:
             case.step()
             case.model.zero_grad(set_to_none=True)
         for budget in budgets:
-            # across processes priced by FLOPs: the same plans on every machine (the SD3 rows
-            # sit 1.03-1.05 of their predictions there, an across-process gap not yet found)
+            # across processes priced by FLOPs: the same plans on every machine
             with priced_by_flops() if world > 1 else contextlib.nullcontext():
                 plan = rematerialize(case.model, *case.args, memory_budget=budget, **case.kwargs)
             root_left_gathered = any(t.untyped_storage().nbytes() for t, _ in fsdp2_gather_buffers(case.model))

@@ -15,10 +15,11 @@ After a unit's backward, FSDP2 copies its parameters' gradients into one reduce-
 (their full size) and keeps that buffer alive until the next unit's post-backward (or as many
 later ones as the unit is told, ``set_reduce_scatter_max_input_buffers``), the last ones until
 the backward ends: the simulation keeps them too. In one process that is the whole of what FSDP2
-allocates (measured on CPU with gloo). Across processes it also prefetches the next unit's
-all-gather output during a unit's backward, and the backend adds copies of its own; those are
-not modelled yet, so there the buffers are left to the recorder as before (over-counted when
-first made inside the profile, else not counted).
+allocates (measured on CPU with gloo). Across processes it all-gathers into one flat output and
+copies out of it (the forward keeps each output until the next unit's copy-out; the backward
+prefetches the unit whose forward ended before the one it reaches), each gradient becomes a
+1/world share once reduce-scattered, and gloo all-gathers through a copy of the output: the
+simulation follows those too (``SimulatedStep.gather``, ``pre_backward``, ``post_backward``).
 """
 
 from __future__ import annotations

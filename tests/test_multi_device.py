@@ -250,7 +250,7 @@ def test_fsdp2_plans_count_each_units_gathered_parameters(tmp_path) -> None:
 def test_fsdp2_plans_across_two_processes_count_the_collectives_buffers(tmp_path) -> None:
     """Across processes FSDP2 also keeps each unit's flat all-gather output until the next
     unit's copy-out in the forward, prefetches the next unit's in the backward, and keeps 1/world
-    of each gradient, and gloo gathers through a copy of the output: modelled as well, the same
+    of each gradient: modelled as well, the same
     plans on each of two ranks are within their budgets and 5% of their predictions (the
     recorder alone read 1.24-1.49x after a warm step, over budget). Each rank's step is one the
     CPU meter read whole (gloo's threads can free a buffer where the meter does not look:

@@ -18,8 +18,8 @@ the backward ends: the simulation keeps them too. In one process that is the who
 allocates (measured on CPU with gloo). Across processes it all-gathers into one flat output and
 copies out of it (the forward keeps each output until the next unit's copy-out; the backward
 prefetches the unit whose forward ended before the one it reaches), each gradient becomes a
-1/world share once reduce-scattered, and gloo all-gathers through a copy of the output: the
-simulation follows those too (``SimulatedStep.gather``, ``pre_backward``, ``post_backward``).
+1/world share once reduce-scattered: the simulation follows those too
+(``SimulatedStep.gather``, ``pre_backward``, ``post_backward``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ class Gathers:
     spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1
     world: int = 1  # the processes FSDP2 shards over
-    gloo: bool = False  # its collectives run over gloo
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:
@@ -101,10 +100,7 @@ def gather_spans(
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
     distributed = dist.is_available() and dist.is_initialized()
-    gathers = Gathers(
-        world=dist.get_world_size() if distributed else 1,
-        gloo=distributed and dist.get_backend() == "gloo",
-    )
+    gathers = Gathers(world=dist.get_world_size() if distributed else 1)
     spans = gathers.spans
     units = sharded_units(module)
     if not units:

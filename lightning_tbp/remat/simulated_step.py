@@ -783,13 +783,10 @@ class SimulatedStep:
                 self.mem -= nbytes
 
     def all_gather(self, nbytes: int) -> None:
-        """An all-gather of ``nbytes`` into a new flat output; gloo gathers through a copy of as
-        many bytes, freed when it returns."""
+        """An all-gather of ``nbytes`` into a new flat output: an instant of the step (a backward
+        prefetch's can be its peak)."""
         self.mem += nbytes
-        transient = nbytes if self.trace.fsdp_gloo else 0
-        self.mem += transient
         self.tick()
-        self.mem -= transient
 
     def pre_backward(self, spans: list[int]) -> None:
         """The backward reaches these spans' units: each is gathered again (where it was freed

@@ -136,7 +136,6 @@ class Trace:
     gather_spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1  # reduce-scatter inputs FSDP2 keeps after their units' backward
     fsdp_world: int = 1  # the processes FSDP2 shards over
-    fsdp_gloo: bool = False  # over gloo, which all-gathers through a copy of the output
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
     unmeasured_workspaces: int = 0
     # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops

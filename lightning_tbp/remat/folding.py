@@ -60,7 +60,7 @@ def fold_chain(trace: Trace) -> FoldedChain | None:
     """The trace folded to four calls of its longest chain of outermost equal calls, or None
     where it is no such chain (fewer than five calls, calls that differ, tensors living across
     several calls, or what the left-out calls made read after them)."""
-    if trace.gather_spans:  # FSDP2 units' spans are not folded
+    if trace.fsdp.spans:  # FSDP2 units' spans are not folded
         return None
     members = repeated_calls(trace)
     chains = [

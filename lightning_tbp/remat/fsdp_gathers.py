@@ -26,36 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lightning_tbp.compat import fsdp2_gather_buffers, fsdp2_reduce_inputs_kept, fsdp2_reshards_after_forward
-
-
-@dataclass(frozen=True)
-class GatherSpan:
-    """One call of an FSDP2 unit in the profiled forward: its events and what it gathers."""
-
-    first_event: int
-    last_event: int
-    nbytes: int
-    regathered: bool  # freed when its forward ends and gathered again for its backward
-    # the unit's post-backward runs after this call's backward (its first call in the forward),
-    # and its reduce-scatter input, kept after it, holds ``reduce_bytes`` (its gradients' bytes)
-    post_backward: bool = False
-    reduce_bytes: int = 0
-
-
-@dataclass
-class Gathers:
-    """What a profile records of FSDP2: its units' spans, and how many reduce-scatter inputs it keeps."""
-
-    spans: list[GatherSpan] = field(default_factory=list)
-    reduce_inputs_kept: int = 1
-    world: int = 1  # the processes FSDP2 shards over
+from lightning_tbp.remat.trace import Gathers, GatherSpan
 
 
 def sharded_units(module: nn.Module) -> list[nn.Module]:

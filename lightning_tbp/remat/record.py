@@ -494,11 +494,7 @@ def record_trace(
             trace.output_specs = [TensorSpec.of(t, t.requires_grad) for t in _output_tensors(output)]
             recorder.recording = False  # what dies now dies with the forward's result
             del output
-        trace.gather_spans, trace.reduce_inputs_kept, trace.fsdp_world = (
-            gathers.spans,
-            gathers.reduce_inputs_kept,
-            gathers.world,
-        )
+        trace.fsdp = gathers
         outputs = set(trace.module_outputs)
         trace.autocast_cached = {
             sid for sid in recorder.weight_casts if trace.storage_death[sid] == -1 and sid not in outputs

@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from lightning_tbp.remat.folding import ChainFold
-from lightning_tbp.remat.fsdp_gathers import GatherSpan
 from lightning_tbp.remat.host_tier import offloaded
 from lightning_tbp.remat.lazy import MIN_LAZY_BYTES
 from lightning_tbp.remat.options import CHECKPOINTS, Option, checkpoint_context, enclosing_block
@@ -56,6 +55,7 @@ from lightning_tbp.remat.step import (
     PriorGradients,
     StepModel,
 )
+from lightning_tbp.remat.trace import GatherSpan
 from lightning_tbp.remat.trace_facts import TraceFacts
 
 #: The device peak a plan that cannot run is given (one whose host copies pass the host budget).
@@ -194,7 +194,7 @@ class SimulatedStep:
         # events, and the spans gathered now
         self.gather_firsts: dict[int, list[int]] = {}
         self.gather_lasts: dict[int, list[int]] = {}
-        for index, span in enumerate(self.trace.gather_spans):
+        for index, span in enumerate(self.trace.fsdp.spans):
             self.gather_firsts.setdefault(span.first_event, []).append(index)
             self.gather_lasts.setdefault(span.last_event, []).append(index)
         self.gathered: set[int] = set()
@@ -202,7 +202,7 @@ class SimulatedStep:
         self.flat_gathered = 0  # across processes: the forward's last all-gather output, kept
         self.prefetched: dict[int, int] = {}  # spans whose all-gather output a backward prefetch made
         # per span, the span whose unit's forward ended last before it (FSDP2's backward prefetch)
-        self.prefetch_target = _prefetch_targets(self.trace.gather_spans)
+        self.prefetch_target = _prefetch_targets(self.trace.fsdp.spans)
         # the loop's batch and what training_step made before the call, against the parameters
         # as loaded: streamed weights are off the device
         self.mem = alongside.total - streamed
@@ -260,7 +260,7 @@ class SimulatedStep:
 
         trace = self.trace
         # a prefix shared with other plans (``shared_prefix.py``): the plain single-pass step only
-        if shared is not None and (effects is not None or len(step.passes) > 1 or self.trace.gather_spans):
+        if shared is not None and (effects is not None or len(step.passes) > 1 or self.trace.fsdp.spans):
             shared = None
         key = shared.key(options) if shared is not None else None
         split = shared.split if shared is not None and key is not None else 0
@@ -763,12 +763,12 @@ class SimulatedStep:
         processes it all-gathers into one flat output first and copies out of it: in the forward
         the output stays until the next unit's copy-out (the root's post-forward frees the last),
         elsewhere it goes after its own, unless a prefetch made it earlier (``pre_backward``)."""
-        across = self.trace.fsdp_world > 1
+        across = self.trace.fsdp.world > 1
         for index in spans:
             if index in self.gathered:
                 continue
             self.gathered.add(index)
-            nbytes = self.trace.gather_spans[index].nbytes
+            nbytes = self.trace.fsdp.spans[index].nbytes
             if not across or not nbytes:
                 self.mem += nbytes
             elif in_forward:
@@ -793,19 +793,19 @@ class SimulatedStep:
         after its forward), and across processes FSDP2 then prefetches the unit whose forward
         ended just before: its all-gather output is made now, copied out when its backward comes."""
         self.gather(spans)
-        if self.trace.fsdp_world == 1:
+        if self.trace.fsdp.world == 1:
             return
         for index in spans:
             before = self.prefetch_target[index]
             if before >= 0 and before not in self.gathered and before not in self.prefetched:
-                self.prefetched[before] = self.trace.gather_spans[before].nbytes
+                self.prefetched[before] = self.trace.fsdp.spans[before].nbytes
                 self.all_gather(self.prefetched[before])
 
     def reshard(self, spans: list[int], after_backward: bool = False) -> None:
         """These spans' units free their gathered parameters: after their forward where they
         reshard then, after their backward always."""
         for index in spans:
-            span = self.trace.gather_spans[index]
+            span = self.trace.fsdp.spans[index]
             if index in self.gathered and (after_backward or span.regathered):
                 self.gathered.discard(index)
                 self.mem -= span.nbytes
@@ -818,14 +818,14 @@ class SimulatedStep:
         into a new one (``reduce_bytes``), kept; its sharded gradients replace the full ones
         (the same bytes in one process)."""
         kept = self.reduce_inputs
-        while kept and len(kept) >= self.trace.reduce_inputs_kept:
+        while kept and len(kept) >= self.trace.fsdp.reduce_inputs_kept:
             self.mem -= kept.pop(0)
         if reduce_bytes:
             kept.append(reduce_bytes)
             self.mem += reduce_bytes
             self.tick()
             if not self.steps_in_backward:  # the sharded gradients are a 1/world share of the full ones
-                sharded_away = reduce_bytes - reduce_bytes // self.trace.fsdp_world
+                sharded_away = reduce_bytes - reduce_bytes // self.trace.fsdp.world
                 self.mem -= sharded_away
                 self.parameter_grads -= sharded_away
 

@@ -28,7 +28,6 @@ from lightning_tbp.remat.overheads import StepOverheads
 
 if TYPE_CHECKING:
     from lightning_tbp.remat.calibrate import TensorSpec
-    from lightning_tbp.remat.fsdp_gathers import GatherSpan
     from lightning_tbp.remat.step import LayerNote
 
 
@@ -76,6 +75,29 @@ class Node:
     @property
     def has_events(self) -> bool:
         return self.first_event >= 0 and self.last_event >= self.first_event
+
+
+@dataclass(frozen=True)
+class GatherSpan:
+    """One call of an FSDP2 unit in the profiled forward: its events and what it gathers."""
+
+    first_event: int
+    last_event: int
+    nbytes: int
+    regathered: bool  # freed when its forward ends and gathered again for its backward
+    # the unit's post-backward runs after this call's backward (its first call in the forward),
+    # and its reduce-scatter input, kept after it, holds ``reduce_bytes`` (its gradients' bytes)
+    post_backward: bool = False
+    reduce_bytes: int = 0
+
+
+@dataclass
+class Gathers:
+    """What a profile records of FSDP2: its units' spans, and how many reduce-scatter inputs it keeps."""
+
+    spans: list[GatherSpan] = field(default_factory=list)
+    reduce_inputs_kept: int = 1
+    world: int = 1  # the processes FSDP2 shards over
 
 
 @dataclass
@@ -132,10 +154,9 @@ class Trace:
     # stand-ins (shape, strides, dtype, gradient) of the module's tensor outputs, in order: what
     # the loss a step computes from them is measured on (``loss.assumed_loss_bytes``)
     output_specs: list[TensorSpec] = field(default_factory=list)
-    # FSDP2 units' calls and the parameters each gathers (``fsdp_gathers.py``): added by the simulation
-    gather_spans: list[GatherSpan] = field(default_factory=list)
-    reduce_inputs_kept: int = 1  # reduce-scatter inputs FSDP2 keeps after their units' backward
-    fsdp_world: int = 1  # the processes FSDP2 shards over
+    # FSDP2 units' calls, the parameters each gathers and its buffers (``fsdp_gathers.py``): added
+    # by the simulation
+    fsdp: Gathers = field(default_factory=Gathers)
     # heavy ops whose workspace a fake trace did not measure (``record_trace``'s ``workspaces_below``)
     unmeasured_workspaces: int = 0
     # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
+from lightning_tbp.compat import tree_map
 from lightning_tbp.diffusion.data import DigitsDataModule
 from lightning_tbp.memory.meters import allocator_peak
 
@@ -72,7 +73,7 @@ def test_a_channels_last_unet_on_cuda_is_exact_and_holds_its_budget(record_prope
     the lowest budget the planner names (CUDA's workspaces decide it)."""
     case = ZOO["unet2d"].case(batch=4, device="cuda")
     case.model = case.model.to(memory_format=torch.channels_last)
-    case.args, case.kwargs = torch.utils._pytree.tree_map(
+    case.args, case.kwargs = tree_map(
         lambda x: (
             x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
         ),

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from models import ChunkedGate, WritesAndViews, max_relative_difference
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
+from lightning_tbp.compat import tree_map
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 from lightning_tbp.remat.loss import assumed_loss_bytes
@@ -91,7 +92,7 @@ def test_channels_last_models_keep_the_budget_and_the_prediction(name: str) -> N
     stays within its budget and 5% of its prediction, with plain autograd's gradients."""
     case = ZOO[name].case(batch=2)
     model = case.model.to(memory_format=torch.channels_last)
-    case.args, case.kwargs = torch.utils._pytree.tree_map(
+    case.args, case.kwargs = tree_map(
         lambda x: (
             x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
         ),

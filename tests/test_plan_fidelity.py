@@ -83,6 +83,37 @@ def test_plain_steps_stay_under_budget_and_match_the_prediction(name: str, where
         plan.remove()
 
 
+class _CopiesItsWeightIn(torch.nn.Module):
+    """Writes its weight from a frozen source under no grad, through ``out=``, then uses it: what
+    FSDP2 does with a unit's gathered weights before every forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = torch.nn.Parameter(torch.randn(512, 512), requires_grad=False)
+        self.weight = torch.nn.Parameter(torch.empty(512, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            torch.mul(self.source, 1.0, out=self.weight)
+        return torch.tanh(x @ self.weight.t())
+
+
+def test_an_op_that_writes_a_parameter_without_grad_gives_it_no_gradient() -> None:
+    """Autograd records nothing for an op run under no grad, so the parameter it writes gets no
+    gradient from it: the replay once summed a gradient there (three times the step's measured
+    peak for this module; FSDP2's copy-out made every unit's re-gather read that high)."""
+    from lightning_tbp.remat.options import Option
+    from lightning_tbp.remat.record import record_trace
+    from lightning_tbp.remat.simulate import Simulator
+
+    model, x = _CopiesItsWeightIn(), torch.randn(8, 512)
+    trace = record_trace(model, (x,), {})
+    options = [Option.KEEP] * len(trace.nodes)
+    predicted = Simulator(trace, loss_bytes=assumed_loss_bytes(trace.output_specs)).run(options).peak_bytes
+    measured = _measured(model, lambda: model(x).square().mean().backward())
+    assert abs(measured / predicted - 1) <= TOLERANCE, (measured, predicted)
+
+
 @pytest.mark.parametrize("name", ["unet2d", "vae", "controlnet"])
 def test_channels_last_models_keep_the_budget_and_the_prediction(name: str) -> None:
     """diffusers recommends ``model.to(memory_format=torch.channels_last)`` for convolutional

@@ -162,6 +162,10 @@ class Trace:
     # channels-last storages an op also copies to row-major (``.contiguous()``): read by other ops
     # as well, their gradient is the row-major sum of gradients of both layouts (``_gradients``)
     densified_storages: set[int] = field(default_factory=set)
+    # per op that ran without grad and wrote into storages it read (in place or ``out=``): those
+    # storages, which get no gradient from it (FSDP2 copying a unit's gathered weights into its
+    # parameters); an op under no grad inside a custom Function still gives its inputs theirs
+    no_grad_writes: dict[int, tuple[int, ...]] = field(default_factory=dict)
     # Bytes each checkpoint holds besides its inputs on the profiled device: the CPU RNG state
     # it stashes (a CPU tensor, so nothing on a GPU); a recompute holds one more copy while it runs
     checkpoint_state_bytes: int = 0

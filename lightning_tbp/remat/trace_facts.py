@@ -135,11 +135,12 @@ class TraceFacts:
         dead = self.dead
         self.partial_grads: list[list[tuple[int, int]]] = [[] for _ in range(n_events)]
         merged = set()
+        no_grad_writes = trace.no_grad_writes
         for event, partial in enumerate(trace.event_partial_inputs):
             if self.is_view_op[event] or dead[event]:
                 continue
             for sid, size in partial.items():
-                if trace.storage_needs_grad[sid]:
+                if trace.storage_needs_grad[sid] and sid not in no_grad_writes.get(event, ()):
                     self.partial_grads[event].append((sid, size))
                     merged.add(sid)
         last_consumer = [-1] * n_storages
@@ -147,6 +148,8 @@ class TraceFacts:
             if dead[event]:
                 continue
             for sid in inputs:
+                if sid in no_grad_writes.get(event, ()):
+                    continue  # written without grad: no gradient comes back through this op
                 if not (sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]):
                     last_consumer[sid] = event
         # Python references end where profiling saw them end (-1: alive after the forward)
@@ -164,7 +167,13 @@ class TraceFacts:
                 continue
             for sid in inputs:
                 partial_use = sid in merged and sid in trace.event_partial_inputs[event] and not self.is_view_op[event]
-                if trace.storage_needs_grad[sid] and last_consumer[sid] != event and not partial_use:
+                written_without_grad = sid in no_grad_writes.get(event, ())
+                if (
+                    trace.storage_needs_grad[sid]
+                    and last_consumer[sid] != event
+                    and not partial_use
+                    and not written_without_grad
+                ):
                     self.grads_accumulated[event].append(sid)
         for sid in range(n_storages):
             if not trace.storage_needs_grad[sid]:

@@ -170,8 +170,8 @@ class TinyBackpropMixin:
             naming the parts. None: no limit.
     """
 
-    #: Whether plans under this strategy may use the host tier (FSDP gathers weights inside the
-    #: step: the host tier would copy them out as activations).
+    #: Whether plans under this strategy may use the host tier: not yet where the plan's word with
+    #: it is unproven across processes (docs/design.md, open work: the host tier under FSDP2).
     host_tier_supported = True
 
     def __init__(
@@ -200,9 +200,9 @@ class TinyBackpropMixin:
             raise ValueError(f"host_tier must be 'off', 'on' or 'auto', got {host_tier!r}")
         if host_tier == "on" and not self.host_tier_supported:
             raise ValueError(
-                f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (the "
-                "weights it gathers for each unit are made inside the step, so the host tier would copy them out "
-                "as activations); use tiny_backprop or tiny_backprop_ddp"
+                f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (its "
+                "plans with the host tier are not yet shown to keep their word across processes); use tiny_backprop "
+                "or tiny_backprop_ddp, or host_tier='off'"
             )
         self.host_tier: HostTier = host_tier
         if host_budget is not None and (isinstance(host_budget, bool) or host_budget < 0):

@@ -16,7 +16,6 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_tbp import InfeasibleBudgetError, TinyBackpropStrategy, rematerialize
-from lightning_tbp.compat import tree_map
 from lightning_tbp.diffusion.data import DigitsDataModule
 from lightning_tbp.memory.meters import allocator_peak
 
@@ -71,14 +70,7 @@ def test_a_channels_last_unet_on_cuda_is_exact_and_holds_its_budget(record_prope
     """diffusers recommends channels-last for its U-Nets on GPUs: cuDNN's channels-last kernels,
     and the copies a kernel makes where gradients of both layouts meet, in the plan's word. At
     the lowest budget the planner names (CUDA's workspaces decide it)."""
-    case = ZOO["unet2d"].case(batch=4, device="cuda")
-    case.model = case.model.to(memory_format=torch.channels_last)
-    case.args, case.kwargs = tree_map(
-        lambda x: (
-            x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
-        ),
-        (case.args, case.kwargs),
-    )
+    case = ZOO["unet2d"].case(batch=4, device="cuda").to_channels_last()
     with pytest.raises(InfeasibleBudgetError) as refused:
         rematerialize(case.model, *case.args, memory_budget=1, **case.kwargs)
     lowest = refused.value.minimum_budget_bytes

@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 from models import ChunkedGate, WritesAndViews, max_relative_difference
 
 from lightning_tbp import InfeasibleBudgetError, rematerialize
-from lightning_tbp.compat import tree_map
 from lightning_tbp.memory import measure_peak
 from lightning_tbp.privacy import attach
 from lightning_tbp.remat.loss import assumed_loss_bytes
@@ -121,14 +120,8 @@ def test_channels_last_models_keep_the_budget_and_the_prediction(name: str) -> N
     row-major ones, so gradients meet in both layouts (a kernel handed mixed layouts copies one).
     At half the naive peak (where it is within reach) and at the lowest budget named, the step
     stays within its budget and 5% of its prediction, with plain autograd's gradients."""
-    case = ZOO[name].case(batch=2)
-    model = case.model.to(memory_format=torch.channels_last)
-    case.args, case.kwargs = tree_map(
-        lambda x: (
-            x.contiguous(memory_format=torch.channels_last) if isinstance(x, torch.Tensor) and x.dim() == 4 else x
-        ),
-        (case.args, case.kwargs),
-    )
+    case = ZOO[name].case(batch=2).to_channels_last()
+    model = case.model
     case.step()
     reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)

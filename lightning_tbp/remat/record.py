@@ -160,6 +160,7 @@ class _Recorder(TorchDispatchMode):
         grad_flows = torch.is_grad_enabled() and any(trace.storage_needs_grad[s] for s in inputs)
         outputs: list[int] = []
         output_sids: list[int | None] = []  # of every output tensor, in order (for the calibrator)
+        written: set[int] = set()  # storages it read and wrote (in place, or through ``out=``)
         new_elements = 0
         for tensor in out_tensors:
             key = storage_key(tensor)
@@ -169,8 +170,7 @@ class _Recorder(TorchDispatchMode):
             sid = self.key_to_sid.get(key)
             if sid is not None and sid in input_set:
                 output_sids.append(sid)
-                if not torch.is_grad_enabled():
-                    trace.no_grad_writes[event] = (*trace.no_grad_writes.get(event, ()), sid)
+                written.add(sid)
                 # an in-place write: a lazy block no longer rebuilds that storage
                 trace.storage_written[sid] = trace.storage_written[sid] or traits.writes_input
                 if trace.storage_is_activation[sid]:
@@ -182,9 +182,11 @@ class _Recorder(TorchDispatchMode):
             trace.storage_needs_grad[sid] = grad_flows and tensor.is_floating_point()
             outputs.append(sid)
             new_elements += tensor.numel()
-        if not torch.is_grad_enabled() and "out" in kwargs:  # an ``out=`` op writes there and returns nothing
-            written = {sid for t in op_tensors(kwargs["out"]) if (sid := self.sid_of(t)) is not None}
-            trace.no_grad_writes[event] = tuple(sorted({*trace.no_grad_writes.get(event, ()), *written}))
+        if not torch.is_grad_enabled():  # no autograd node: what it wrote gets no gradient from it
+            # an ``out=`` op writes its ``out`` tensors and may return nothing
+            written.update(sid for t in op_tensors(kwargs.get("out")) if (sid := self.sid_of(t)) is not None)
+            if written:
+                trace.no_grad_writes[event] = tuple(sorted(written))
         if self.autocast_dtype is not None and outputs and _cached_by_autocast(func, args, out, self.autocast_dtype):
             self.weight_casts.extend(outputs)
         if _densifies(func, args, out) and (source := self.sid_of(args[0])) is not None:

@@ -65,6 +65,19 @@ class ZooCase:
     def step(self, forward: Callable[..., Any] | None = None) -> None:
         self.loss(forward).backward()
 
+    def to_channels_last(self) -> ZooCase:
+        """The model and its image inputs in channels-last memory format, as diffusers advises
+        for convolutional models on GPUs (in place; returns the case)."""
+        self.model = self.model.to(memory_format=torch.channels_last)
+        self.args, self.kwargs = tree_map(
+            lambda x: x.contiguous(memory_format=torch.channels_last) if _is_image(x) else x, (self.args, self.kwargs)
+        )
+        return self
+
+
+def _is_image(x: object) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 4
+
 
 def sample(out: Any) -> torch.Tensor:
     """The tensor a diffusers model returns (its ``.sample``, or the first of a tuple)."""

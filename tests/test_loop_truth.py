@@ -364,21 +364,57 @@ def test_a_loop_step_is_measured_from_its_batch_to_the_next() -> None:
     watch = LoopWatch(torch.device("cpu"), first=0, every=2)
     mib = 1 << 20
     old = torch.empty(mib, dtype=torch.uint8)  # gradients from before the meter
-    assert watch.batch_started(1, alive_bytes=mib, state_bytes=0, can_meter=True) is None
+    assert watch.previous_step_ended(alive_bytes=mib, state_bytes=0) is None
+    watch.batch_started(1, alive_bytes=mib, state_bytes=0, can_meter=True)
     del old  # freed unseen: no region yet
     watch.training_step_ended(1, can_meter=True)  # batch 2 is metered: the region opens here
     grads = torch.empty(mib, dtype=torch.uint8)  # batch 1's backward
-    assert watch.batch_started(2, alive_bytes=mib, state_bytes=0, can_meter=True) is None
+    assert watch.previous_step_ended(alive_bytes=mib, state_bytes=0) is None
+    watch.batch_started(2, alive_bytes=mib, state_bytes=0, can_meter=True)
     del grads  # freed before the forward, seen
     activations = torch.empty(3 * mib, dtype=torch.uint8)
     del activations
     grads = torch.empty(mib, dtype=torch.uint8)
     watch.optimizer_stepping()
     state = torch.empty(2 * mib, dtype=torch.uint8)  # made by the first optimizer step
-    step = watch.batch_started(3, alive_bytes=mib, state_bytes=2 * mib, can_meter=True)
+    step = watch.previous_step_ended(alive_bytes=mib, state_bytes=2 * mib)
+    watch.batch_started(3, alive_bytes=mib, state_bytes=2 * mib, can_meter=True)
     assert step is not None and (step.index, step.peak_bytes) == (2, 3 * mib)  # its 3 made after 1 freed
     assert watch.stop(state_bytes=2 * mib) is None  # batch 3 is not metered: the region closed at its start
     del grads, state
+
+
+def test_a_free_out_of_the_meters_sight_bounds_its_step_and_leaves_the_next_as_it_was() -> None:
+    """Where the meter misses frees (gloo's worker threads under FSDP2 on CPU), a step's reading
+    is an upper bound: balanced at the next batch's start against what training holds there, the
+    missed bytes say how far (the true peak lies between), and the next step is read from its own
+    start, not raised by them. A free on another thread stands in for gloo's."""
+    import threading
+
+    from lightning_tbp.strategies.loop import LoopWatch
+
+    watch = LoopWatch(torch.device("cpu"), first=2, every=0, frees_unseen=True)
+    mib = 1 << 20
+    assert watch.previous_step_ended(alive_bytes=0, state_bytes=0) is None
+    watch.batch_started(0, alive_bytes=0, state_bytes=0, can_meter=True)
+    collective = {"buffer": torch.empty(2 * mib, dtype=torch.uint8)}  # made on the training thread
+    worker = threading.Thread(target=collective.clear)  # and dropped on another
+    worker.start()
+    worker.join()
+    activations = torch.empty(2 * mib, dtype=torch.uint8)
+    del activations
+    first = watch.previous_step_ended(alive_bytes=0, state_bytes=0)
+    watch.batch_started(1, alive_bytes=0, state_bytes=0, can_meter=True)
+    assert first is not None and (first.peak_bytes, first.unseen_bytes, first.lowest_bytes) == (
+        4 * mib,
+        2 * mib,
+        2 * mib,
+    )
+    activations = torch.empty(mib, dtype=torch.uint8)
+    del activations
+    second = watch.previous_step_ended(alive_bytes=0, state_bytes=0)
+    watch.batch_started(2, alive_bytes=0, state_bytes=0, can_meter=True)  # not watched: the region closes
+    assert second is not None and (second.peak_bytes, second.unseen_bytes) == (mib, 0)
 
 
 @pytest.mark.slow

@@ -114,7 +114,10 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path,
     place and no need of the step: DDP's own reduction, nothing stepped inside. ``ddp_host_tier``:
     a budget only the host tier meets, every metered step of the loop within it and 5% of the
     prediction on both ranks. ``lora_ddp_stream``: the same with a byte budget below the weights'
-    bytes, which only the frozen base streamed from the host meets."""
+    bytes, which only the frozen base streamed from the host meets. ``fsdp2``: gloo's threads free
+    buffers where the CPU meter does not look, so each metered step reads as a range (balanced at
+    its end): its lower end within the budget and the range within 5% of the prediction (stop
+    63's CI re-planned on such a misread)."""
     out = tmp_path / scenario
     if scenario == "lora_ddp_stream":
         _restore_launch_variables_after(monkeypatch)
@@ -145,6 +148,12 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path,
             assert [step["step"] for step in steps][:3] == [0, 1, 2], (rank, steps)
             for step in steps:
                 assert step["peak_bytes"] <= step["budget_bytes"] and abs(step["ratio"] - 1) <= 0.05, (rank, step)
+    if scenario == "fsdp2":  # gloo's threads free buffers out of the meter's sight: each step read as a range
+        for rank in range(WORLD):
+            for step in json.loads((out / f"loop_steps_rank{rank}.json").read_text()):
+                lowest = step["peak_bytes"] - step["unseen_bytes"]
+                assert lowest <= step["budget_bytes"], (rank, step)
+                assert lowest <= 1.05 * step["predicted_bytes"] and step["peak_bytes"] >= 0.95 * step["predicted_bytes"]
     if scenario == "ddp_host_tier":
         assert "OFFLOAD" in plans[0].values()
     if scenario == "lora_ddp_stream":

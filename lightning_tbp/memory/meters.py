@@ -14,7 +14,10 @@ peak. So the CPU meters collect garbage first and hold the collector off inside 
 Threads: the profiler sees the allocations and frees of the threads it follows (the one that
 started it and autograd's). A block that another thread frees last (gloo's worker dropping the
 flat copy of DDP's initial parameter broadcast, at random) is never seen freed, and every level
-after it reads that block's size too high: measure from after such a hand-over.
+after it reads that block's size too high: measure from after such a hand-over. Under FSDP2 over
+gloo this happens on most steps (a reduce-scatter's input, an all-gather's output, dropped by the
+work object on gloo's thread), so where :func:`frees_hidden_by_collectives` says so, a reading is
+an upper bound that the caller balances against what it knows is alive at its end.
 
 Regions nest and overlap (a metered training step contains the planner's metered ops; a test
 measures a whole fit that contains metered steps): one chain of profiler sessions serves them
@@ -95,6 +98,15 @@ def foreign_profiler_active() -> bool:
     """Whether a torch profiler not started by these meters is running (a user's, Lightning's
     ``PyTorchProfiler``): the exact CPU meter cannot run beside it."""
     return profiler_enabled() and not _CPU_SESSIONS.running
+
+
+def frees_hidden_by_collectives(device: torch.device | str) -> bool:
+    """Whether the exact meter on ``device`` can miss frees in this process: on CPU, in a gloo
+    process group of more than one process, whose worker threads run the collectives."""
+    distributed = torch.distributed
+    if torch.device(device).type != "cpu" or not distributed.is_available() or not distributed.is_initialized():
+        return False
+    return distributed.get_world_size() > 1 and "gloo" in str(distributed.get_backend())
 
 
 def cpu_memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:

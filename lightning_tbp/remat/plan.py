@@ -631,6 +631,12 @@ class Plan:
         return self._wrappers.weights.moved_bytes
 
     # -- checking plans against what happens --------------------------------------------------------
+    @property
+    def checking(self) -> bool:
+        """Whether the step running now is a new or corrected plan's, checked after its backward
+        (:meth:`finish_measurement`)."""
+        return self._metered is not None
+
     def finish_measurement(self) -> ShapePlan | None:
         """Stop a running meter (call after the backward). Returns the plan this step was to
         check (a new or corrected one), its ``measured_peak_bytes`` set if the step could be

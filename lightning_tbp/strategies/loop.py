@@ -125,6 +125,16 @@ class LoopStep:
     planning_peak_bytes: int | None = None
     """The peak of the planner's own one-time work (profile, op and block calibration) before the
     step's forward, on the same scale; None when the step made no plan."""
+    unseen_bytes: int | None = None
+    """Where the meter is known to miss frees (``LoopWatch.frees_unseen``): what the step freed
+    out of its sight, read at the next batch's start as the meter's level beyond what training
+    holds there. Every level after such a free reads that much too high, so the step's true peak
+    lies between :attr:`lowest_bytes` and ``peak_bytes``. None where not known."""
+
+    @property
+    def lowest_bytes(self) -> int:
+        """The least the step can have peaked at (``peak_bytes`` where no free went unseen)."""
+        return self.peak_bytes - (self.unseen_bytes or 0)
 
 
 @dataclass
@@ -159,10 +169,17 @@ class LoopWatch:
     When the optimizer steps inside the backward, the first step's state appears there,
     parameter by parameter: each parameter's first step is marked before and after
     (:meth:`state_made`), and each stretch between marks is measured above the state made by
-    its end."""
+    its end.
 
-    def __init__(self, device: torch.device, first: int = 3, every: int = 50) -> None:
-        self.device, self.first, self.every = device, first, every
+    ``frees_unseen``: the meter may miss frees (:func:`~lightning_tbp.memory.meters.frees_hidden_by_collectives`).
+    Then what training holds is read again at every step's start, so a free missed in one step
+    does not raise the next, and each step balances its end against what training holds there
+    (:attr:`LoopStep.unseen_bytes`); a step left behind by another (a cache) is then no longer
+    charged to the steps after it."""
+
+    def __init__(self, device: torch.device, first: int = 3, every: int = 50, frees_unseen: bool = False) -> None:
+        self.device, self.first, self.every, self.frees_unseen = device, first, every, frees_unseen
+        self._also: set[int] = set()
         self._stack: contextlib.ExitStack | None = None
         self._reading: AllocatorPeak | None = None
         self._step: _Open | None = None
@@ -172,28 +189,36 @@ class LoopWatch:
         self.steps: list[LoopStep] = []
 
     def watched(self, index: int) -> bool:
-        return index < self.first or (self.every > 0 and index % self.every == 0)
+        return index < self.first or (self.every > 0 and index % self.every == 0) or index in self._also
 
-    def batch_started(self, index: int, alive_bytes: int, state_bytes: int, can_meter: bool) -> LoopStep | None:
+    def watch_also(self, index: int) -> None:
+        """Meter step ``index`` as well (a plan that only a whole step of the loop can check there)."""
+        self._also.add(index)
+
+    def previous_step_ended(self, alive_bytes: int, state_bytes: int) -> LoopStep | None:
         """A batch starts with ``alive_bytes`` held for the step (gradients, the batch) and
-        ``state_bytes`` of optimizer state; returns the metered step that just ended, if any."""
-        ended = self._end_step(state_bytes)
+        ``state_bytes`` of optimizer state: the metered step before it, if any, ended here (then
+        :meth:`batch_started`)."""
+        return self._end_step(state_bytes, alive_bytes)
+
+    def batch_started(self, index: int, alive_bytes: int, state_bytes: int, can_meter: bool) -> None:
+        """Step ``index`` starts, holding what :meth:`previous_step_ended` was told: metered if watched."""
         opening = self._reading is None and can_meter and self.watched(index)
         if opening:
             self._open()
         if self._reading is None:
-            return ended
+            return
         if not self.watched(index):
             self.stop()
-            return ended
+            return
         level = self._mark()
-        if opening or self._pre_rolled:  # what training holds outside the step, read once per region
+        # what training holds outside the step, read once per region (or at every step, see frees_unseen)
+        if opening or self._pre_rolled or self.frees_unseen:
             self._held_level = level - alive_bytes - state_bytes
             self._pre_rolled = False
         self._step = _Open(
             index, PriorGradients.RELEASED, self._held_level + state_bytes, state_bytes, self._marks - 1, level
         )
-        return ended
 
     def training_step_ended(self, index: int, can_meter: bool) -> None:
         """The forward of batch ``index`` is over, its backward to come: if the next batch is
@@ -266,11 +291,11 @@ class LoopWatch:
         self._marks += 1
         return self._reading.marks_so_far()[-1].level_bytes
 
-    def _end_step(self, state_bytes: int | None) -> LoopStep | None:
+    def _end_step(self, state_bytes: int | None, alive_bytes: int | None = None) -> LoopStep | None:
         step, self._step = self._step, None
         if step is None or self._reading is None or state_bytes is None:
             return None
-        self._mark()
+        end_level = self._mark()
         marks = self._reading.marks
         grown = max(0, state_bytes - step.state_bytes)  # the first optimizer step makes the state
         # windows between the step's marks: before its forward, to the optimizer step, after it
@@ -284,6 +309,9 @@ class LoopWatch:
                 windows[-2] = peak_apart_from(marks, step.state_marks, step.forward_mark + 1, step.optimizer_mark)
         planning = windows.pop(0) - step.base_level if step.planned else None
         peak = max(windows)
-        done = LoopStep(step.index, step.case, peak - step.base_level, planning)
+        unseen = None
+        if self.frees_unseen and alive_bytes is not None:
+            unseen = max(0, end_level - (self._held_level + alive_bytes + state_bytes))
+        done = LoopStep(step.index, step.case, peak - step.base_level, planning, unseen)
         self.steps.append(done)
         return done

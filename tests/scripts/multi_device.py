@@ -220,8 +220,9 @@ if __name__ == "__main__":
         (out / f"whole_fit_rank{trainer.global_rank}.json").write_text(json.dumps(record))
     plan = trainer.strategy.plan
     rank = trainer.global_rank
-    if plan is not None and plan.current is not None:
-        options = {path: option.name for path, option in plan.current.options.items()}
+    if plan is not None and plan.shape_plans:
+        (in_force,) = plan.shape_plans.values()  # one input shape; current is None after a last-step correction
+        options = {path: option.name for path, option in in_force.options.items()}
         (out / f"plan_rank{rank}.json").write_text(json.dumps(options))
         (out / f"loop_steps_rank{rank}.json").write_text(json.dumps(trainer.strategy.loop_steps()))
     state = full_state(model.net)

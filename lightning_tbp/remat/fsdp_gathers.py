@@ -77,7 +77,8 @@ def gather_spans(
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
     distributed = dist.is_available() and dist.is_initialized()
-    gathers = Gathers(world=dist.get_world_size() if distributed else 1)
+    world = dist.get_world_size() if distributed else 1
+    gathers = Gathers(world=world, gathers_through_copy=world > 1 and "gloo" in str(dist.get_backend()))
     spans = gathers.spans
     units = sharded_units(module)
     if not units:

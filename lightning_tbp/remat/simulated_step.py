@@ -784,9 +784,11 @@ class SimulatedStep:
 
     def all_gather(self, nbytes: int) -> None:
         """An all-gather of ``nbytes`` into a new flat output: an instant of the step (a backward
-        prefetch's can be its peak)."""
-        self.mem += nbytes
+        prefetch's can be its peak), with gloo's flat copy of the output beside it there."""
+        copy = nbytes if self.trace.fsdp.gathers_through_copy else 0
+        self.mem += nbytes + copy
         self.tick()
+        self.mem -= copy
 
     def pre_backward(self, spans: list[int]) -> None:
         """The backward reaches these spans' units: each is gathered again (where it was freed

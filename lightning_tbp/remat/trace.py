@@ -98,6 +98,9 @@ class Gathers:
     spans: list[GatherSpan] = field(default_factory=list)
     reduce_inputs_kept: int = 1
     world: int = 1  # the processes FSDP2 shards over
+    # gloo all-gathers into a flat copy of the output and copies out of it: a second buffer of the
+    # output's size for the collective's instant (NCCL writes into the output)
+    gathers_through_copy: bool = False
 
 
 @dataclass

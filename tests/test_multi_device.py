@@ -242,6 +242,7 @@ def _assert_fsdp2_plans_hold(ranks: list[list[dict]]) -> None:
             assert row["measured"] <= row["budget_bytes"] and not row["replanned"], row
             assert abs(row["measured"] / row["predicted"] - 1) <= 0.05, row
             assert not row["root_left_gathered"], row
+            assert row.get("all_gather_bytes_counted", 0) == 0, row  # counted by the simulation, not twice
 
 
 @pytest.mark.slow
@@ -266,7 +267,9 @@ def test_fsdp2_plans_across_two_processes_count_the_collectives_buffers(tmp_path
     peak is a backward prefetch's all-gather, read 1.063 without gloo's copy). Each rank's step is one the
     CPU meter read whole (gloo's threads can free a buffer where the meter does not look:
     ``tests/scripts/fsdp2_plan.py``)."""
-    _assert_fsdp2_plans_hold(_fsdp2_plan_rows(tmp_path, "29634", world=2))
+    ranks = _fsdp2_plan_rows(tmp_path, "29634", world=2)
+    _assert_fsdp2_plans_hold(ranks)
+    assert all(row["all_gathers_seen"] for rows in ranks for row in rows[:10])  # the trace saw FSDP2's outputs made
 
 
 @pytest.mark.slow

@@ -39,7 +39,7 @@ from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
-from lightning_tbp.remat.fsdp_gathers import gather_spans
+from lightning_tbp.remat.fsdp_gathers import gather_spans, uncount_all_gather_outputs
 from lightning_tbp.remat.host_weights import frozen_weights
 from lightning_tbp.remat.op_args import op_tensors
 from lightning_tbp.remat.ops import traits_of
@@ -502,6 +502,7 @@ def record_trace(
             recorder.recording = False  # what dies now dies with the forward's result
             del output
         trace.fsdp = gathers
+        uncount_all_gather_outputs(trace)
         outputs = set(trace.module_outputs)
         trace.autocast_cached = {
             sid for sid in recorder.weight_casts if trace.storage_death[sid] == -1 and sid not in outputs

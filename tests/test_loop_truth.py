@@ -384,6 +384,22 @@ def test_a_loop_step_is_measured_from_its_batch_to_the_next() -> None:
     del grads, state
 
 
+def test_the_memory_report_names_the_plan_a_last_step_correction_left_waiting() -> None:
+    """A step over its budget corrects the plan, which takes over at the next call; after the
+    last step there is none, and the memory report then still names the plan in force (it
+    said no plan: stop 63's multi-process script found none to write)."""
+    module = ZooModule("dit", batch=2)
+    loader = DataLoader(TensorDataset(*(row.repeat_interleave(2, 0) for row in module.rows)), batch_size=2)
+    strategy = TinyBackpropStrategy(memory_budget=0.6)
+    run = _fit(module, loader, strategy, max_steps=1)
+    plan = strategy.plan
+    assert plan is not None
+    corrected = plan.correct(run["plan"], 1.1)  # as an over-budget last step does
+    assert plan.current is None
+    reported = strategy.memory_report_config()["plan"]
+    assert reported is not None and reported["predicted_peak_bytes"] == corrected.predicted_peak_bytes
+
+
 def test_a_free_out_of_the_meters_sight_bounds_its_step_and_leaves_the_next_as_it_was() -> None:
     """Where the meter misses frees (gloo's worker threads under FSDP2 on CPU), a step's reading
     is an upper bound: balanced at the next batch's start against what training holds there, the

@@ -815,9 +815,9 @@ class TinyBackpropMixin:
         if self.privacy is not None:
             state = self.privacy.state_dict()
             dp = {**state["config"], **{k: state[k] for k in ("epsilon", "noise_multiplier", "planned_steps")}}
-        if self.plan is None or self.plan.current is None:
+        if self.plan is None or not self.plan.shape_plans:
             return {"plan": None, "dp": dp}
-        summary = self.plan.to_dict()
+        summary = self.plan.to_dict()  # the plan in force (the last made, where a correction awaits its call)
         for detail in ("blocks", "edges", "signature"):
             summary.pop(detail)
         return {"plan": summary, "dp": dp, "loop_steps": self.loop_steps()}

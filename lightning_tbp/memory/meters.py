@@ -100,13 +100,19 @@ def foreign_profiler_active() -> bool:
     return profiler_enabled() and not _CPU_SESSIONS.running
 
 
-def frees_hidden_by_collectives(device: torch.device | str) -> bool:
-    """Whether the exact meter on ``device`` can miss frees in this process: on CPU, in a gloo
-    process group of more than one process, whose worker threads run the collectives."""
+def gloo_runs_the_collectives() -> bool:
+    """Whether this process is one of several in a gloo process group (whose worker threads run
+    the collectives, and whose all-gather goes through a copy of its output)."""
     distributed = torch.distributed
-    if torch.device(device).type != "cpu" or not distributed.is_available() or not distributed.is_initialized():
+    if not distributed.is_available() or not distributed.is_initialized():
         return False
     return distributed.get_world_size() > 1 and "gloo" in str(distributed.get_backend())
+
+
+def frees_hidden_by_collectives(device: torch.device | str) -> bool:
+    """Whether the exact meter on ``device`` can miss frees in this process: on CPU, where gloo's
+    worker threads run the collectives."""
+    return torch.device(device).type == "cpu" and gloo_runs_the_collectives()
 
 
 def cpu_memory_events(events: Iterable[Any]) -> list[tuple[int, int]]:

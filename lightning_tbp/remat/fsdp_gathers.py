@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_tbp.compat import fsdp2_gather_buffers, fsdp2_reduce_inputs_kept, fsdp2_reshards_after_forward
+from lightning_tbp.memory.meters import gloo_runs_the_collectives
 from lightning_tbp.remat.trace import Gathers, GatherSpan, Trace
 
 #: The collective FSDP2 all-gathers a unit's parameters with (``dist.all_gather_into_tensor``).
@@ -80,8 +81,9 @@ def gather_spans(
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
     reduce-scatters it); ``events_so_far()`` is the trace's event count."""
     distributed = dist.is_available() and dist.is_initialized()
-    world = dist.get_world_size() if distributed else 1
-    gathers = Gathers(world=world, gathers_through_copy=world > 1 and "gloo" in str(dist.get_backend()))
+    gathers = Gathers(
+        world=dist.get_world_size() if distributed else 1, gathers_through_copy=gloo_runs_the_collectives()
+    )
     spans = gathers.spans
     units = sharded_units(module)
     if not units:
@@ -137,16 +139,22 @@ def gather_spans(
             handle.remove()
 
 
+def all_gather_outputs(trace: Trace) -> set[int]:
+    """The storages made in the step that an all-gather writes: across processes, FSDP2's flat
+    output of each unit's gather (an ``empty`` inside its pre-forward)."""
+    return {
+        sid
+        for event, traits in enumerate(trace.event_traits)
+        if traits.name == _ALL_GATHER_OP
+        for sid in trace.event_inputs[event]
+        if trace.storage_producer[sid] >= 0
+    }
+
+
 def uncount_all_gather_outputs(trace: Trace) -> None:
-    """Across processes the recorder sees each unit's flat all-gather output made (an ``empty``
-    inside FSDP2's pre-forward) and follows it to its last reference; the simulation adds those
-    bytes itself, from the unit's span (``SimulatedStep.gather``), so the trace's own copy of
-    them counts nothing (counted twice, a Lightning FSDP2 fit's forward read 0.95 of its
-    prediction: the root's output, kept by the trace to the first unit's copy-out)."""
-    if trace.fsdp.world == 1 or not trace.fsdp.spans:
-        return
-    for event, traits in enumerate(trace.event_traits):
-        if traits.name == _ALL_GATHER_OP:
-            for sid in trace.event_inputs[event]:
-                if trace.storage_producer[sid] >= 0:  # made in the step: the flat output
-                    trace.storage_bytes[sid] = 0
+    """The recorder follows each flat all-gather output to its last reference, but the simulation
+    adds those bytes itself, from the unit's span (``SimulatedStep.gather``): the trace's own
+    copy of them counts nothing, or the forward would hold them twice."""
+    if trace.fsdp.world > 1 and trace.fsdp.spans:
+        for sid in all_gather_outputs(trace):
+            trace.storage_bytes[sid] = 0

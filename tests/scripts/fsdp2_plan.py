@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 from lightning_tbp import rematerialize
 from lightning_tbp.compat import fsdp2_gather_buffers
 from lightning_tbp.memory import measure_peak
+from lightning_tbp.remat.fsdp_gathers import all_gather_outputs
 from lightning_tbp.remat.pricing import priced_by_flops
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.solve import InfeasibleBudgetError
@@ -104,7 +105,6 @@ def _row(case, world: int, budget: int | float, host_tier: str) -> dict:
         plan = rematerialize(case.model, *case.args, memory_budget=budget, host_tier=host_tier, **case.kwargs)
     root_left_gathered = any(t.untyped_storage().nbytes() for t, _ in fsdp2_gather_buffers(case.model))
     offloads = any(option.name == "OFFLOAD" for option in plan.current.options.values())
-
     if world == 1:
         verdict = plan.verify(case.step)
         measured = {
@@ -131,13 +131,7 @@ def _all_gathers_counted(case) -> dict:
     """What a profile of ``case`` counts of FSDP2's flat all-gather outputs (made in the step
     across processes): the simulation adds them from the units' spans, so nothing."""
     trace = record_trace(case.model, case.args, case.kwargs, measure=False)
-    outputs = {
-        sid
-        for event, traits in enumerate(trace.event_traits)
-        if traits.name == "_allgather_base_.default"
-        for sid in trace.event_inputs[event]
-        if trace.storage_producer[sid] >= 0
-    }
+    outputs = all_gather_outputs(trace)
     return {"all_gathers_seen": len(outputs), "all_gather_bytes_counted": sum(trace.storage_bytes[s] for s in outputs)}
 
 

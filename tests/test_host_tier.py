@@ -24,7 +24,7 @@ from lightning_tbp.remat.budget import format_bytes
 from lightning_tbp.remat.host_tier import MIN_OFFLOAD_BYTES, HostCopies, Resident, host_use, pack, unpack
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.overheads import step_overheads
-from lightning_tbp.strategies import TinyBackpropFSDP2Strategy
+from lightning_tbp.strategies import TinyBackpropFSDP2Strategy, TinyBackpropFSDPStrategy
 from lightning_tbp.testing.zoo_lightning import ZooModule
 from lightning_tbp.testing.zoo_models import HELD_OUT, ZOO
 
@@ -154,8 +154,11 @@ def test_the_host_tier_is_refused_by_name_where_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="host_tier must be"):
         TinyBackpropStrategy(host_tier="yes")  # type: ignore[arg-type]
     TinyBackpropStrategy(host_tier="on", dp="ghost", noise_multiplier=1.0)  # streams only (test_dp_host_tier.py)
-    with pytest.raises(ValueError, match="tiny_backprop_fsdp2"):
-        TinyBackpropFSDP2Strategy(host_tier="on")
+    with pytest.raises(ValueError, match="host_tier is not available with tiny_backprop_fsdp "):
+        TinyBackpropFSDPStrategy(host_tier="on")
+    TinyBackpropFSDP2Strategy(host_tier="on")  # activations offloaded per rank (test_multi_device.py)
+    with pytest.raises(ValueError, match=r"optimizer_state_on_host=True .* cannot run with tiny_backprop_fsdp2"):
+        TinyBackpropFSDP2Strategy(host_tier="on", optimizer_state_on_host=True)
     case = ZOO["dit"].case(batch=2)
     with pytest.raises(ValueError, match="host_tier must be"):
         rematerialize(case.model, *case.args, memory_budget=0.5, host_tier="yes", **case.kwargs)  # type: ignore[arg-type]

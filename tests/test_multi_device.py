@@ -105,7 +105,17 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "scenario",
-    ["ddp", "fsdp2", "lora_ddp", "ddp_fused", "fsdp2_fused", "ddp_idle", "ddp_host_tier", "lora_ddp_stream"],
+    [
+        "ddp",
+        "fsdp2",
+        "lora_ddp",
+        "ddp_fused",
+        "fsdp2_fused",
+        "ddp_idle",
+        "ddp_host_tier",
+        "fsdp2_host_tier",
+        "lora_ddp_stream",
+    ],
 )
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path, monkeypatch) -> None:
     """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
@@ -114,10 +124,13 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path,
     place and no need of the step: DDP's own reduction, nothing stepped inside. ``ddp_host_tier``:
     a budget only the host tier meets, every metered step of the loop within it and 5% of the
     prediction on both ranks. ``lora_ddp_stream``: the same with a byte budget below the weights'
-    bytes, which only the frozen base streamed from the host meets. ``fsdp2``: gloo's threads free
+    bytes, which only the frozen base streamed from the host meets. ``fsdp2*``: gloo's threads free
     buffers where the CPU meter does not look, so each metered step reads as a range (balanced at
-    its end): its lower end within the budget and the range within 5% of the prediction (stop
-    63's CI re-planned on such a misread)."""
+    its end): its lower end within the budget (stop 63's CI re-planned on such a misread) and the
+    range reaching within 1.5% of the prediction (the optimizer inside FSDP2's backward read 1.020
+    of it, and the host tier under FSDP2 1.036, while the plan stepped each gradient where
+    autograd completed it and FSDP2 steps it after its unit's reduce-scatter).
+    ``fsdp2_host_tier``: a budget only the host tier meets, each rank offloading its own."""
     out = tmp_path / scenario
     if scenario == "lora_ddp_stream":
         _restore_launch_variables_after(monkeypatch)
@@ -148,13 +161,13 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path,
             assert [step["step"] for step in steps][:3] == [0, 1, 2], (rank, steps)
             for step in steps:
                 assert step["peak_bytes"] <= step["budget_bytes"] and abs(step["ratio"] - 1) <= 0.05, (rank, step)
-    if scenario == "fsdp2":  # gloo's threads free buffers out of the meter's sight: each step read as a range
+    if scenario.startswith("fsdp2"):  # gloo's threads free buffers out of the meter's sight: each step read as a range
         for rank in range(WORLD):
             for step in json.loads((out / f"loop_steps_rank{rank}.json").read_text()):
-                lowest = step["peak_bytes"] - step["unseen_bytes"]
+                lowest, predicted = step["peak_bytes"] - step["unseen_bytes"], step["predicted_bytes"]
                 assert lowest <= step["budget_bytes"], (rank, step)
-                assert lowest <= 1.05 * step["predicted_bytes"] and step["peak_bytes"] >= 0.95 * step["predicted_bytes"]
-    if scenario == "ddp_host_tier":
+                assert lowest <= 1.015 * predicted and step["peak_bytes"] >= 0.985 * predicted, (rank, step)
+    if scenario in ("ddp_host_tier", "fsdp2_host_tier"):
         assert "OFFLOAD" in plans[0].values()
     if scenario == "lora_ddp_stream":
         assert "STREAM" in plans[0].values()

@@ -108,7 +108,8 @@ def estimate_config(
         modes.append((mode, blocked))
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_modes.append(host_mode if getattr(trainer.strategy, "host_tier_supported", False) else "off")
-        state_modes.append(getattr(trainer.strategy, "optimizer_state_on_host", "auto"))
+        state_on_host = getattr(trainer.strategy, "optimizer_state_on_host", "auto")
+        state_modes.append(state_on_host if getattr(trainer.strategy, "state_on_host_supported", False) else False)
         master_dtypes.append(getattr(trainer.strategy, "master_dtype", None))
         return step
 

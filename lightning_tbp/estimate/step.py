@@ -357,7 +357,7 @@ def estimate_step(
         Simulator(trace, step_model, loop=loop),
         selective=step_model.backward_passes == 1,
         offload=host_tier,
-        stream=host_tier,
+        stream=host_tier and step.layout.kind != "fsdp2",  # FSDP2 shards frozen weights: none streams
     )
     target_naive = solver.naive().peak_bytes
     # what the kernels allocate beyond their outputs, where it falls in the step (measured here)

@@ -20,6 +20,11 @@ copies out of it (the forward keeps each output until the next unit's copy-out; 
 prefetches the unit whose forward ended before the one it reaches), each gradient becomes a
 1/world share once reduce-scattered: the simulation follows those too
 (``SimulatedStep.gather``, ``pre_backward``, ``post_backward``).
+
+An optimizer stepping inside the backward sees a gradient only there: FSDP2 runs a parameter's
+post-accumulate-grad hooks on its sharded gradient, a view of the reduce-scatter output, so the
+unit's full gradients stay until its post-backward (not stepped and freed one by one as autograd
+completes them) and the output until every parameter of the unit is stepped.
 """
 
 from __future__ import annotations
@@ -92,16 +97,18 @@ def gather_spans(
     root_gathered = inside_call and module in units  # its pre-forward hook gathered it for this call
     sizes: dict[int, int] = {}
     trained: dict[int, int] = {}  # bytes of the unit's gradients (its trainable parameters)
+    largest: dict[int, int] = {}  # of those, its largest parameter's
     for unit in units:
         if not (root_gathered and unit is module) and not fsdp2_gather_buffers(unit):
             unit.unshard()  # type: ignore[operator]  # FSDP2 makes a unit's buffers at its first gather
             unit.reshard()  # type: ignore[operator]
-        sizes[id(unit)] = trained[id(unit)] = 0
+        sizes[id(unit)] = trained[id(unit)] = largest[id(unit)] = 0
         for tensor, trains in fsdp2_gather_buffers(unit):
             nbytes = tensor.numel() * tensor.element_size()
             hold(tensor, nbytes, trains)
             sizes[id(unit)] += nbytes
             trained[id(unit)] += nbytes if trains else 0
+            largest[id(unit)] = max(largest[id(unit)], nbytes if trains else 0)
         gathers.reduce_inputs_kept = max(gathers.reduce_inputs_kept, fsdp2_reduce_inputs_kept(unit))
     opened: dict[int, list[int]] = {}
     called: set[int] = set()  # units whose first call's span is recorded
@@ -110,8 +117,8 @@ def gather_spans(
         first_call = id(unit) not in called
         called.add(id(unit))
         post_backward = first_call and sizes[id(unit)] > 0  # a unit with no parameters has no param group
-        reduce_bytes = trained[id(unit)] if post_backward else 0
-        return GatherSpan(first, last, sizes[id(unit)], regathered, post_backward, reduce_bytes)
+        reduce_bytes, largest_bytes = (trained[id(unit)], largest[id(unit)]) if post_backward else (0, 0)
+        return GatherSpan(first, last, sizes[id(unit)], regathered, post_backward, reduce_bytes, largest_bytes)
 
     def enter(unit: nn.Module, _: tuple) -> None:
         opened.setdefault(id(unit), []).append(events_so_far())

@@ -250,8 +250,9 @@ class SimulatedStep:
         self.written_now = 0  # of those, written since the last tick
         self.optimizer_step = -1
         # the optimizer inside the backward (``LoopModel.step_in_backward``): parameters stepped
-        # where their gradient is complete
-        self.parameter_steps = facts.parameter_grads_done if loop.step_in_backward else {}
+        # where their gradient is complete, or under FSDP2 after their unit's reduce-scatter
+        sharded = bool(self.trace.fsdp.spans)
+        self.parameter_steps = facts.parameter_grads_done if loop.step_in_backward and not sharded else {}
         self.steps_in_backward = loop.step_in_backward
         self.parameter_step_ratio = loop.parameter_step_ratio
         # parameters stepped on the host where only some are (``LoopModel.hosted_parameters``): no temporaries here
@@ -812,24 +813,34 @@ class SimulatedStep:
                 self.gathered.discard(index)
                 self.mem -= span.nbytes
             if after_backward and span.post_backward:
-                self.post_backward(span.reduce_bytes)
+                self.post_backward(span)
 
-    def post_backward(self, reduce_bytes: int) -> None:
+    def post_backward(self, span: GatherSpan) -> None:
         """A unit's post-backward, after its resharding: FSDP2 frees the oldest reduce-scatter
         inputs it keeps (down to one fewer than it may keep), then copies the unit's gradients
-        into a new one (``reduce_bytes``), kept; its sharded gradients replace the full ones
-        (the same bytes in one process)."""
+        into a new one (``reduce_bytes``), kept; its sharded gradients, a 1/world share, replace
+        the full ones (the same bytes in one process). An optimizer inside the backward steps
+        them there, one parameter at a time, and their buffer goes once all are stepped."""
         kept = self.reduce_inputs
         while kept and len(kept) >= self.trace.fsdp.reduce_inputs_kept:
             self.mem -= kept.pop(0)
-        if reduce_bytes:
-            kept.append(reduce_bytes)
-            self.mem += reduce_bytes
+        reduce_bytes, world = span.reduce_bytes, self.trace.fsdp.world
+        if not reduce_bytes:
+            return
+        kept.append(reduce_bytes)
+        self.mem += reduce_bytes
+        self.tick()
+        sharded_away = reduce_bytes - reduce_bytes // world
+        self.mem -= sharded_away
+        self.parameter_grads -= sharded_away
+        if self.steps_in_backward:
+            temporaries = math.ceil(self.parameter_step_ratio * span.largest_reduced_bytes / world)
+            self.mem += temporaries
             self.tick()
-            if not self.steps_in_backward:  # the sharded gradients are a 1/world share of the full ones
-                sharded_away = reduce_bytes - reduce_bytes // self.trace.fsdp.world
-                self.mem -= sharded_away
-                self.parameter_grads -= sharded_away
+            self.mem -= temporaries
+            if self.plain_loop:  # kept, as an upper bound, where the loop holds earlier gradients
+                self.mem -= reduce_bytes // world
+                self.parameter_grads -= reduce_bytes // world
 
     def stream_copy(self, sid: int) -> int:
         """A device copy of streamed weight ``sid``, referenced from Python: its new storage id."""

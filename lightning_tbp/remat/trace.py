@@ -86,9 +86,11 @@ class GatherSpan:
     nbytes: int
     regathered: bool  # freed when its forward ends and gathered again for its backward
     # the unit's post-backward runs after this call's backward (its first call in the forward),
-    # and its reduce-scatter input, kept after it, holds ``reduce_bytes`` (its gradients' bytes)
+    # and its reduce-scatter input, kept after it, holds ``reduce_bytes`` (its gradients' bytes);
+    # ``largest_reduced_bytes``: its largest trainable parameter's (one optimizer step at a time)
     post_backward: bool = False
     reduce_bytes: int = 0
+    largest_reduced_bytes: int = 0
 
 
 @dataclass

@@ -171,9 +171,12 @@ class TinyBackpropMixin:
             naming the parts. None: no limit.
     """
 
-    #: Whether plans under this strategy may use the host tier: not yet where the plan's word with
-    #: it is unproven across processes (docs/design.md, open work: the host tier under FSDP2).
+    #: Whether plans under this strategy may use the host tier: not where the plan's word with it
+    #: is unproven (FSDP1, CUDA only: nothing of it has run here).
     host_tier_supported = True
+    #: Whether the optimizer's state and step may go to the host (``optim/host_state.py``): not
+    #: over sharded parameters (FSDP's), whose state lives in their shards.
+    state_on_host_supported = True
 
     def __init__(
         self,
@@ -203,7 +206,7 @@ class TinyBackpropMixin:
             raise ValueError(
                 f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (its "
                 "plans with the host tier are not yet shown to keep their word across processes); use tiny_backprop "
-                "or tiny_backprop_ddp, or host_tier='off'"
+                "tiny_backprop_ddp or tiny_backprop_fsdp2, or host_tier='off'"
             )
         self.host_tier: HostTier = host_tier
         if host_budget is not None and (isinstance(host_budget, bool) or host_budget < 0):
@@ -227,7 +230,7 @@ class TinyBackpropMixin:
             conflicts = {
                 "optimizer_in_backward=False": optimizer_in_backward is False,
                 "host_tier='off'": host_tier == "off",
-                f"{getattr(self, 'strategy_name', type(self).__name__)}": not self.host_tier_supported,
+                f"{getattr(self, 'strategy_name', type(self).__name__)}": not self.state_on_host_supported,
             }
             named = [name for name, conflict in conflicts.items() if conflict]
             if named:
@@ -433,7 +436,7 @@ class TinyBackpropMixin:
 
     def _may_host(self) -> bool:
         """Whether plans under this strategy may keep the optimizer's state on the host."""
-        return self.host_tier != "off" and self.host_tier_supported
+        return self.host_tier != "off" and self.state_on_host_supported
 
     def _host_state_cost(self) -> tuple[int, float, float]:
         """What the optimizer's state on the host keeps there (a copy of each trainable weight,

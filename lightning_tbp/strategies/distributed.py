@@ -160,6 +160,7 @@ class TinyBackpropFSDPStrategy(TinyBackpropMixin, FSDPStrategy):
 
     strategy_name = "tiny_backprop_fsdp"
     host_tier_supported = False
+    state_on_host_supported = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if kwargs.get("dp") is not None:
@@ -269,7 +270,10 @@ class TinyBackpropFSDP2Strategy(TinyBackpropMixin, _ShardingModelParallel):
     """
 
     strategy_name = "tiny_backprop_fsdp2"
-    host_tier_supported = False
+    # each rank's offloaded activations are its own; frozen weights are FSDP2's sharded DTensors,
+    # which no plan streams (``host_weights.streamable``), and the host optimizer state steps
+    # plain parameters
+    state_on_host_supported = False
 
     def __init__(self, *args: Any, reshard_after_forward: bool = True, **kwargs: Any) -> None:
         if kwargs.get("dp") is not None:

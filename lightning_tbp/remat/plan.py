@@ -204,6 +204,9 @@ class Plan:
         self._caught_errors = False  # planning went on past an error (``plan_for`` collects its cycles)
         self._inside_call = False  # planning from the module's own forward pre-hook
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        # the first of the module's forward hooks and (where the plan is made after the module's
+        # other hooks, as the strategies make it) the last: see ``verify.StepMeter``
+        self._outputs_hook = module.register_forward_hook(self._outputs_made, prepend=True)
         self._after_hook = module.register_forward_hook(self._after_forward)
 
     # -- planning ---------------------------------------------------------------------------------
@@ -301,9 +304,13 @@ class Plan:
                 leaf for leaf in tree_flatten((args, kwargs))[0] if isinstance(leaf, torch.Tensor)
             )
 
+    def _outputs_made(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._planning:
+            self._meter.outputs_made(output)
+
     def _after_forward(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._planning:
-            self._meter.forward_ended(output)  # the loss window of a metered step opens here
+            self._meter.forward_ended()  # the loss window of a metered step opens here
 
     def _selective(self, trace: Trace) -> bool:
         """Whether plans may use selective blocks: torch hands their cache to one backward only,
@@ -760,6 +767,7 @@ class Plan:
         self._metered = None
         self._hook.remove()
         self._after_hook.remove()
+        self._outputs_hook.remove()
         self._wrappers.remove()
         self._active.clear()
 

@@ -51,9 +51,13 @@ class StepMeter:
     """One metering session at a time, opened when a plan's step starts and closed after its backward.
 
     The planner's trace ends with the module's forward, so the step's loss (computed by the
-    caller from the module's outputs) is not in it. The meter measures it apart: told where the
-    forward ended (:meth:`forward_ended`), it notes that instant and the arrival of the outputs'
-    first gradient, and reports the peak of the window between them (``StepReading.loss_bytes``).
+    caller from the module's outputs) is not in it. The meter measures it apart: shown the
+    outputs (:meth:`outputs_made`) and told where the forward ended (:meth:`forward_ended`), it
+    notes that instant and the arrival of the outputs' first gradient, and reports the peak of the
+    window between them (``StepReading.loss_bytes``). The outputs are shown before the module's
+    other forward hooks run, so the gradient's arrival is noted before their tensor hooks run:
+    FSDP2's root prefetches a unit's weights from its hook on the outputs, the backward's work,
+    which a window closed after it read as the loss's.
     """
 
     def __init__(self) -> None:
@@ -88,15 +92,21 @@ class StepMeter:
             made = max(self._state_marks.values(), default=0) + nbytes
             self._state_marks[self._window + len(self._state_marks)] = made  # after the loss window's marks
 
-    def forward_ended(self, output: object) -> None:
-        """The metered module's forward returned ``output``: open the loss window (once a session,
-        at the first forward whose outputs will get gradients)."""
+    def outputs_made(self, output: object) -> None:
+        """The metered module's forward made ``output`` (its first forward hook): watch for their
+        first gradient (once a session, at the first forward whose outputs will get gradients)."""
+        if self._reading is None or self._window or self._hooks:
+            return
         differentiable = [t for t in output_tensors(output) if t.requires_grad]
-        if self._reading is None or self._window or not differentiable:
+        self._hooks = [t.register_hook(self._gradient_arrived) for t in differentiable]
+
+    def forward_ended(self) -> None:
+        """The metered module's forward returned (its last forward hook): open the loss window
+        where :meth:`outputs_made` watches its outputs."""
+        if self._reading is None or self._window or not self._hooks:
             return
         self._reading.mark()
         self._window = 1
-        self._hooks = [t.register_hook(self._gradient_arrived) for t in differentiable]
 
     def _gradient_arrived(self, grad: torch.Tensor) -> None:
         if self._reading is not None and self._window == 1:

@@ -5,7 +5,9 @@ python multi_device.py SCENARIO OUT_DIR
 
 Scenarios (each writes what the test compares into OUT_DIR, from rank 0 unless said):
   ddp, fsdp2   4 SGD steps with the plan on a deterministic regression; final parameters
-               (params.pt), the plan each rank ran (plan_rank{r}.json), memory JSON per rank (ddp)
+               (params.pt), the plan each rank ran (plan_rank{r}.json), its metered loop steps
+               and the loss it measured (loop_steps_rank{r}.json, loss_rank{r}.json), memory
+               JSON per rank (ddp)
   ddp_fused, fsdp2_fused
                the same with the optimizer inside the backward; how many parameters each rank
                stepped inside its last backward and after it (stepped_rank{r}.json)
@@ -232,6 +234,7 @@ if __name__ == "__main__":
         options = {path: option.name for path, option in in_force.options.items()}
         (out / f"plan_rank{rank}.json").write_text(json.dumps(options))
         (out / f"loop_steps_rank{rank}.json").write_text(json.dumps(trainer.strategy.loop_steps()))
+        (out / f"loss_rank{rank}.json").write_text(json.dumps(in_force.measured_loss_bytes))
     state = full_state(model.net)
     if rank == 0:
         torch.save(state, out / "params.pt")

@@ -127,10 +127,12 @@ def test_the_calls_of_a_chain_repeat_each_other_and_calls_at_other_shapes_do_not
     trace = chain_trace(4)
     members = repeated_calls(trace)
     calls = [node.index for node in trace.nodes if node.path == "denoiser"]
-    # the first call reads the batch, which needs no gradient, and saves less: it stays apart
-    assert members[calls[0]] == [calls[0]] and all(members[call] == calls[1:] for call in calls[1:])
+    assert all(members[call] == calls for call in calls)
     for child in trace.nodes[calls[1]].children:  # their blocks repeat too, call for call
-        assert [trace.nodes[m].call for m in members[child]] == [1, 2, 3]
+        assert [trace.nodes[m].call for m in members[child]] == [0, 1, 2, 3]
+    # op by op, the first call differs: it saves the batch, which the trace does not count as made
+    equal = repeated_calls(trace, counting_inputs=True)
+    assert equal[calls[0]] == [calls[0]] and all(equal[call] == calls[1:] for call in calls[1:])
     two_scales = record_trace(TwoScales(), (torch.randn(2, 3, 32, 32), torch.tensor([500, 700])), {}, measure=False)
     assert all(len(group) == 1 for group in repeated_calls(two_scales))
 

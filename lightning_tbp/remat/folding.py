@@ -62,7 +62,7 @@ def fold_chain(trace: Trace) -> FoldedChain | None:
     several calls, or what the left-out calls made read after them)."""
     if trace.fsdp.spans:  # FSDP2 units' spans are not folded
         return None
-    members = repeated_calls(trace)
+    members = repeated_calls(trace, counting_inputs=True)
     chains = [
         group
         for index, group in enumerate(members)

@@ -13,14 +13,18 @@ from __future__ import annotations
 from lightning_tbp.remat.trace import Trace
 
 
-def repeated_calls(trace: Trace) -> list[list[int]]:
+def repeated_calls(trace: Trace, counting_inputs: bool = False) -> list[list[int]]:
     """Per node, the nodes of the calls it repeats with (itself included), in forward order.
 
-    Calls repeat when they are of one module, run the same number of ops, make and save the
-    same bytes, and sit in blocks that repeat too (or in the same block): calls of one module at
-    two shapes (a U-Net on an image and on its half-size copy) stay apart, since what a
-    checkpoint frees differs between them, and tied blocks' ancestors move together, so a move
-    legal for one of them is legal for each.
+    Calls repeat when they are of one module, run the same number of ops, make the same bytes and
+    save the same of what they make, and sit in blocks that repeat too (or in the same block):
+    calls of one module at two shapes (a U-Net on an image and on its half-size copy) stay apart,
+    since what a checkpoint frees differs between them, and tied blocks' ancestors move together,
+    so a move legal for one of them is legal for each. What a call saves of its inputs is left
+    out (unless ``counting_inputs``: calls equal op by op, as ``folding.py`` needs): a chain's
+    first call saves the caller's input, which the trace does not count as made in the step,
+    the others the previous call's output, which it does, and a checkpoint of the call keeps
+    its input either way.
     """
     classes: dict[tuple[str, int, int, int, int], list[int]] = {}
     members: list[list[int]] = [[node.index] for node in trace.nodes]
@@ -29,7 +33,12 @@ def repeated_calls(trace: Trace) -> list[list[int]]:
             continue
         events = range(node.first_event, node.last_event + 1)
         made = sum(trace.storage_bytes[s] for e in events for s in trace.event_outputs[e])
-        saved = sum(trace.storage_bytes[s] for e in events for s in trace.event_saves[e])
+        saved = sum(
+            trace.storage_bytes[s]
+            for e in events
+            for s in trace.event_saves[e]
+            if counting_inputs or node.first_event <= trace.storage_producer[s] <= node.last_event
+        )
         parent = members[node.parent][0] if node.parent >= 0 else -1
         group = classes.setdefault((node.path, parent, len(events), made, saved), [])
         group.append(node.index)

@@ -365,19 +365,23 @@ def test_tbp_estimate_matches_a_whole_fit_on_cuda(tmp_path: Path) -> None:
     assert abs(float(row["estimated_vs_measured"]) - 1) <= 0.05, row  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("strategy", ["tiny_backprop_fsdp", "tiny_backprop_fsdp2"])
+@pytest.mark.parametrize("strategy", ["tiny_backprop_fsdp", "tiny_backprop_fsdp2", "tiny_backprop_fsdp2_host"])
 def test_a_sharded_strategy_on_one_gpu_plans_and_holds_its_budget(strategy: str, tmp_path: Path) -> None:
     """FSDP1 and FSDP2 with a plan on one GPU (their own process each): a short fit of the zoo's
-    DiT whose metered loop steps hold the budget (on CPU: ``test_multi_device``'s FSDP2 fit)."""
+    DiT whose metered loop steps hold the budget (on CPU: ``test_multi_device``'s FSDP2 fits);
+    ``tiny_backprop_fsdp2_host`` at a budget the host tier meets, offloading through pinned memory."""
     out = tmp_path / "run.json"
     script = Path(__file__).parent / "scripts" / "one_gpu_sharded.py"
     completed = subprocess.run(
         [sys.executable, str(script), strategy, str(out)], capture_output=True, text=True, timeout=240
     )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
-    steps = json.loads(out.read_text())["loop_steps"]
+    record = json.loads(out.read_text())
+    steps = record["loop_steps"]
     readings = [(s["peak_bytes"], s["predicted_bytes"], s["budget_bytes"]) for s in steps]
     assert steps and all(peak <= budget for peak, _, budget in readings), readings
+    if strategy == "tiny_backprop_fsdp2_host":
+        assert "OFFLOAD" in record["options"], record["options"]
 
 
 def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_snapshot(

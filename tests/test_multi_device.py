@@ -229,16 +229,20 @@ def test_fsdp2_units_leave_a_block_the_models_forward_reaches_into_to_the_root()
 
 
 @pytest.mark.slow
-def test_fsdp2_fits_a_dit_with_a_plan_within_its_budget(tmp_path) -> None:
-    """The zoo's DiT under ``tiny_backprop_fsdp2`` on CPU (gloo, one process): every metered step
-    within its budget (the script is the GPU check's, run here on the CPU)."""
+@pytest.mark.parametrize("strategy", ["tiny_backprop_fsdp2", "tiny_backprop_fsdp2_host"])
+def test_fsdp2_fits_a_dit_with_a_plan_within_its_budget(strategy: str, tmp_path) -> None:
+    """The zoo's DiT under ``tiny_backprop_fsdp2`` on CPU (gloo, one process), and with the host
+    tier at a budget it needs: every metered step within its budget and 5% of the prediction
+    (the script is the GPU check's, run here on the CPU)."""
     out = tmp_path / "run.json"
     script = Path(__file__).parent / "scripts" / "one_gpu_sharded.py"
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    command = [sys.executable, str(script), "tiny_backprop_fsdp2", str(out), "cpu"]
+    command = [sys.executable, str(script), strategy, str(out), "cpu"]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-3000:]
-    steps = json.loads(out.read_text())["loop_steps"]
+    record = json.loads(out.read_text())
+    assert ("OFFLOAD" in record["options"]) == strategy.endswith("_host"), record["options"]
+    steps = record["loop_steps"]
     assert [s["step"] for s in steps] == [0, 1, 2]
     assert all(s["peak_bytes"] <= s["budget_bytes"] for s in steps), steps
     assert all(abs(s["ratio"] - 1) <= 0.05 for s in steps), steps  # FSDP2's gathers in the prediction

@@ -657,10 +657,11 @@ class SimulatedStep:
         stashes_ending = 0  # RNG stashes that go as this recompute returns (``restash``)
         gather_firsts, gather_lasts = self.gather_firsts, self.gather_lasts
         for event in range(lo, hi + 1):
-            if gather_firsts and event in gather_firsts:
-                self.gather(gather_firsts[event], in_forward=not recompute)
+            # a unit's post-forward reshards it before the next unit's pre-forward gathers
             if gather_lasts and not recompute and event - 1 in gather_lasts and event > lo:
                 self.reshard(gather_lasts[event - 1])
+            if gather_firsts and event in gather_firsts:
+                self.gather(gather_firsts[event], in_forward=not recompute)
             if event_node[event] != node:  # a block's events mostly run back to back
                 node = event_node[event]
                 ctx = self.context(node, region)

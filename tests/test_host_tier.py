@@ -180,6 +180,7 @@ def test_auto_takes_the_host_tier_only_where_the_device_alone_cannot_meet_the_bu
     try:
         assert Option.OFFLOAD in tight.current.options.values()
         assert "the host tier (host_tier='auto')" in tight.report()
+        assert "stream" not in tight.report()  # a full fine-tune has no frozen weights to stream
     finally:
         tight.remove()
 

@@ -192,7 +192,7 @@ def test_a_device_smaller_than_the_weights_trains_a_lora_with_them_streamed() ->
     run = _fit(module, loader, strategy, max_steps=4)
     plan = run["plan"]
     assert plan.budget_bytes < 0 and plan.streamed_bytes > 0
-    assert "host_tier='auto'" in " ".join(plan.actions)
+    assert "host_tier='auto'" in " ".join(plan.actions) and "stream their frozen weights" in " ".join(plan.actions)
     assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
     for step in run["loop_steps"]:
         assert step["peak_bytes"] <= step["budget_bytes"], step

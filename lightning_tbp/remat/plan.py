@@ -475,7 +475,9 @@ class Plan:
             raise lower from None
         # against what was held outside the step on the device alone (an alternative it took may hold less)
         shift = 0 if held is None or solved.held is None else held.total - solved.held.total
-        may = "offload blocks' saved activations to host memory and stream their frozen weights from it"
+        may = "offload blocks' saved activations to host memory"
+        if any(profile.solver.sim.facts.block_weights):  # frozen weights a plan may stream (a LoRA's base)
+            may += " and stream their frozen weights from it"
         self._host_tier_action = (
             f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes - shift)} is "
             f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",

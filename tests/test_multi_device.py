@@ -120,8 +120,9 @@ def test_fsdp1_names_its_cuda_requirement(tmp_path, monkeypatch) -> None:
 def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path, monkeypatch) -> None:
     """``*_fused``: the optimizer steps each parameter inside the backward, once its bucket is
     reduced (DDP's communication hook, FSDP2's post-reduce-scatter hooks): the same weights, every
-    parameter stepped inside the backward on every rank. ``ddp_idle``: "auto" with the hook in
-    place and no need of the step: DDP's own reduction, nothing stepped inside. ``ddp_host_tier``:
+    parameter stepped inside the backward on every rank, every metered step as predicted.
+    ``ddp_idle``: "auto" with the hook in place and no need of the step: DDP's own reduction,
+    nothing stepped inside. ``ddp_host_tier``:
     a budget only the host tier meets, every metered step of the loop within it and 5% of the
     prediction on both ranks. ``lora_ddp_stream``: the same with a byte budget below the weights'
     bytes, which only the frozen base streamed from the host meets. ``fsdp2*``: gloo's threads free
@@ -156,7 +157,7 @@ def test_two_processes_match_one_process_on_the_global_batch(scenario, tmp_path,
     plans = [json.loads((out / f"plan_rank{r}.json").read_text()) for r in range(WORLD)]
     assert plans[0] and plans[0] == plans[1], "every rank runs rank 0's plan"
     assert any(option != "KEEP" for option in plans[0].values())
-    if scenario in ("ddp", "ddp_host_tier", "lora_ddp_stream"):
+    if scenario in ("ddp", "ddp_fused", "ddp_host_tier", "lora_ddp_stream"):
         for rank in range(WORLD):
             steps = json.loads((out / f"loop_steps_rank{rank}.json").read_text())
             assert [step["step"] for step in steps][:3] == [0, 1, 2], (rank, steps)

@@ -205,7 +205,7 @@ class TinyBackpropMixin:
         if host_tier == "on" and not self.host_tier_supported:
             raise ValueError(
                 f"host_tier is not available with {getattr(self, 'strategy_name', type(self).__name__)} yet (its "
-                "plans with the host tier are not yet shown to keep their word across processes); use tiny_backprop "
+                "plans with the host tier are not yet shown to keep their word); use tiny_backprop, "
                 "tiny_backprop_ddp or tiny_backprop_fsdp2, or host_tier='off'"
             )
         self.host_tier: HostTier = host_tier

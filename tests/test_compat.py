@@ -7,14 +7,12 @@ a DP step.
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from processes import run_in_a_gloo_group_of_one
 from torch import nn
 
 from lightning_tbp import compat
@@ -284,13 +282,9 @@ def test_fsdp2_gather_buffers_and_resharding_are_read_from_its_param_groups() ->
     read FSDP2's private param groups: in a process of its own (a gloo group of one), a unit's
     buffers exist after one gather, sized as its parameters, a block resharding after its forward
     says so, and one reduce-scatter input is kept unless the unit is told otherwise."""
-    code = """
-import os, torch, torch.distributed as dist
-from torch import nn
+    body = """
 from torch.distributed.fsdp import fully_shard
 from lightning_tbp import compat
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29623")
-dist.init_process_group("gloo", rank=0, world_size=1)
 model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
 fully_shard(model[0])
 fully_shard(model)
@@ -304,8 +298,5 @@ assert compat.fsdp2_reduce_inputs_kept(model[0]) == 1
 if hasattr(model[0], "set_reduce_scatter_max_input_buffers"):  # torch 2.13
     model[0].set_reduce_scatter_max_input_buffers(2)
     assert compat.fsdp2_reduce_inputs_kept(model[0]) == 2
-dist.destroy_process_group()
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    run_in_a_gloo_group_of_one(body, port=29623)

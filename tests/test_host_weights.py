@@ -11,14 +11,12 @@ parameters alone take.
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from processes import run_in_a_gloo_group_of_one
 from test_host_tier import _reference_grads, _seeded
 from test_loop_truth import _fit
 from test_plan_fidelity import _measured
@@ -101,22 +99,15 @@ def test_frozen_weights_fsdp2_shards_never_stream() -> None:
     """Under ``tiny_backprop_fsdp2`` the host tier offloads activations only: FSDP2 turns a frozen
     weight into a shard of a DTensor, gathered by FSDP2 for each use, which no plan streams (a
     process of its own, a gloo group of one)."""
-    code = """
-import os, torch, torch.distributed as dist
-from torch import nn
+    body = """
 from torch.distributed.fsdp import fully_shard
 from lightning_tbp.remat.host_weights import streamable
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29641")
-dist.init_process_group("gloo", rank=0, world_size=1)
 model = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 4)).requires_grad_(False)
 assert streamable(model[0].weight)
 fully_shard(model)
 assert not streamable(model[0].weight), type(model[0].weight)
-dist.destroy_process_group()
 """
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
-    assert completed.returncode == 0, completed.stderr[-2000:]
+    run_in_a_gloo_group_of_one(body, port=29641)
 
 
 def _lora_case(name: str, batch: int = 2):

@@ -95,16 +95,14 @@ def estimate_config(
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)
-        blocked = blockers(
-            trainer,
-            module,
-            step.optimizers,
-            private=privacy is not None,
-            devices=None,
-            automatic=mode == "auto",
-        )
-        if step.layout.kind != "single":
-            blocked.append("tbp estimate counts the step inside the backward on one device for now")
+        strategy = trainer.strategy
+        automatic = mode == "auto"
+        if isinstance(strategy, TinyBackpropMixin):  # the strategy's own refusals (DDP's buckets) too
+            blocked = strategy.fused_step_blockers(trainer, module, step.optimizers, automatic=automatic)
+        else:
+            blocked = blockers(
+                trainer, module, step.optimizers, private=privacy is not None, devices=None, automatic=automatic
+            )
         modes.append((mode, blocked))
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_modes.append(host_mode if getattr(trainer.strategy, "host_tier_supported", False) else "off")

@@ -49,6 +49,8 @@ class DeviceModel:
     measures_workspaces: bool = False  # the kernels run on this machine: their workspaces are measured
     host_link_bytes_per_second: float = 0.0  # copies to the host tier and back, each way (0: no host tier)
     cuda_autocast: bool = False  # mixed precision widens CUDA autocast's float32 list (``autocast_policy.py``)
+    # the all-gather writes a copy of its output first (gloo's, on CPU; NCCL writes into it)
+    collectives_through_copy: bool = False
 
     def fill_costs(self, trace: Trace) -> None:
         """Give every traced op a forward and backward time (ns) from the roofline."""
@@ -85,7 +87,9 @@ CUDA = DeviceModel(
 )
 #: A few CPU cores: what this project's tests and the ±5% check against exact CPU peaks use (the
 #: host tier a memcpy into fresh memory, ~5 GB/s each way).
-CPU = DeviceModel("cpu", 100e9, 10e9, measures_workspaces=True, host_link_bytes_per_second=5e9)
+CPU = DeviceModel(
+    "cpu", 100e9, 10e9, measures_workspaces=True, host_link_bytes_per_second=5e9, collectives_through_copy=True
+)
 
 DEVICES = {"cuda": CUDA, "cpu": CPU}
 

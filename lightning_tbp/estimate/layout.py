@@ -4,11 +4,14 @@
   trainable gradients (torch's default ``gradient_as_bucket_view=False``), held for the run.
 * ``fsdp2`` (``tiny_backprop_fsdp2``: the target sharded per outermost ``ModuleList`` entry, see
   ``strategies.distributed.fsdp2_units``): the target's parameters, their gradients and
-  optimizer state are 1/N per rank; during the forward and backward the largest unit is
-  all-gathered while the next one is prefetched (two units' parameters) and its unsharded
-  gradients exist until they are reduce-scattered (one unit's gradients).
+  optimizer state are 1/N per rank. What FSDP2 does inside the forward and backward (each
+  unit's all-gather, the prefetch, the unsharded gradients until their reduce-scatter, an
+  optimizer stepping inside the backward on the sharded ones) is the planner's simulation of
+  the one-device trace with the spans the units would have (``remat.fsdp_gathers.PlannedSharding``),
+  as for a sharded model it profiles; ``communication_bytes`` names two units' gathered
+  parameters (the largest, and the one prefetched beside it).
 
-These are modelled, not traced: the fake step runs on one device.
+The rest is modelled, not traced: the fake step runs on one device.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from lightning_tbp.remat.fsdp_gathers import PlannedSharding
 from lightning_tbp.strategies.distributed import fsdp2_units
 
 if TYPE_CHECKING:
@@ -47,23 +51,29 @@ def _bytes(module: nn.Module, trainable_only: bool) -> int:
     return total
 
 
+def planned_sharding(layout: Layout, target: nn.Module, through_copy: bool) -> PlannedSharding | None:
+    """The sharding ``layout`` gives ``target``, for its profile (None where it shards nothing);
+    ``through_copy``: the device's all-gather writes a copy of its output first."""
+    if layout.kind != "fsdp2":
+        return None
+    return PlannedSharding(tuple(fsdp2_units(target)), layout.world_size, through_copy)
+
+
 def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module) -> None:
-    """Turn ``estimate`` (one device) into one rank's figures under ``layout``, in place."""
+    """Turn ``estimate`` (one device; under FSDP2 its forward and backward simulated per rank
+    already) into one rank's figures under ``layout``, in place."""
     estimate.layout, estimate.world_size = layout.kind, layout.world_size
     if layout.kind == "ddp":
         estimate.communication_bytes = estimate.gradient_bytes
     if layout.kind != "fsdp2":
         return
-    n = layout.world_size
-    shed = 1 - 1 / n
+    shed = 1 - 1 / layout.world_size
     parameters, gradients = _bytes(target, False), _bytes(target, True)
     owner = next(iter(estimate.parameter_bytes))  # the first module holds the target's storages
     estimate.parameter_bytes[owner] -= int(parameters * shed)
     estimate.optimizer_state_bytes -= int(estimate.optimizer_state_bytes * shed)
     units = [target.get_submodule(path) for path in fsdp2_units(target)]
-    largest = max((_bytes(unit, False) for unit in units), default=parameters)
-    largest_grads = max((_bytes(unit, True) for unit in units), default=gradients)
-    estimate.communication_bytes = 2 * largest + largest_grads
-    estimate.forward_backward_peak_bytes += estimate.communication_bytes - int(gradients * shed)
-    estimate.optimizer_step_peak_bytes -= int(gradients * shed)
+    estimate.communication_bytes = 2 * max((_bytes(unit, False) for unit in units), default=parameters)
+    if not estimate.step_in_backward:  # the optimizer steps the sharded gradients after the backward
+        estimate.optimizer_step_peak_bytes -= int(gradients * shed)
     estimate.gradient_bytes -= int(gradients * shed)

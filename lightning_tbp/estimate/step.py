@@ -41,7 +41,7 @@ from torch import nn
 from lightning_tbp.compat import FAKE_VALUE_ERRORS, FakeTensorMode, fake_module_support, storage_key, tree_flatten
 from lightning_tbp.estimate.autocast_policy import CudaFloat32Ops
 from lightning_tbp.estimate.device import DeviceModel, device_model
-from lightning_tbp.estimate.layout import Layout, per_rank
+from lightning_tbp.estimate.layout import Layout, per_rank, planned_sharding
 from lightning_tbp.estimate.live_bytes import LiveBytes, rounded
 from lightning_tbp.memory.breakdown import plain_tensors
 from lightning_tbp.memory.held import parameter_step_ratio
@@ -53,7 +53,7 @@ from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
 from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
-from lightning_tbp.remat.trace import Trace
+from lightning_tbp.remat.trace import Gathers, Trace
 
 
 class StepNeedsValuesError(ValueError):
@@ -278,10 +278,18 @@ def estimate_step(
 
         workspaces_below = _workspace_cap() if model.measures_workspaces else 0
 
+        sharding = planned_sharding(step.layout, step.target, model.collectives_through_copy)
+
         def profile(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not traces and torch.is_grad_enabled():
                 trace = record_trace(
-                    module, args, kwargs, inside_call=True, measure=False, workspaces_below=workspaces_below
+                    module,
+                    args,
+                    kwargs,
+                    inside_call=True,
+                    measure=False,
+                    workspaces_below=workspaces_below,
+                    planned_sharding=sharding,
                 )
                 traces.append(trace)
 
@@ -353,6 +361,11 @@ def estimate_step(
     trace = traces[0]
     model.round_storages(trace)
     model.fill_costs(trace)
+    # the metered step ran on one device: what FSDP2 changes in the target's forward and backward
+    # is the simulation's with the units' spans against the same trace without them
+    one_device = dataclasses.replace(trace, fsdp=Gathers())
+    if trace.fsdp.spans:  # the last step's gradients, where alive, are sharded
+        trace.parameter_grad_bytes = -(-trace.parameter_grad_bytes // trace.fsdp.world)
     solver = Solver(
         Simulator(trace, step_model, loop=loop),
         selective=step_model.backward_passes == 1,
@@ -367,6 +380,10 @@ def estimate_step(
     kernel_workspace = max(
         0, target_naive - Simulator(unworked, step_model, loop=loop).run([Option.KEEP] * len(trace.nodes)).peak_bytes
     )
+    sharded_minus_one_device = 0
+    if trace.fsdp.spans:
+        plain = Simulator(one_device, step_model, loop=loop).run([Option.KEEP] * len(trace.nodes)).peak_bytes
+        sharded_minus_one_device = target_naive - plain
     estimate = StepEstimate(
         device=model.name,
         parameter_bytes=parameter_bytes,
@@ -375,7 +392,7 @@ def estimate_step(
         optimizer_state_bytes=optimizer_state,
         batch_bytes=batch_bytes,
         library_workspace_bytes=model.library_workspace_bytes,
-        forward_backward_peak_bytes=phases["forward_backward"] + kernel_workspace,
+        forward_backward_peak_bytes=phases["forward_backward"] + kernel_workspace + sharded_minus_one_device,
         kernel_workspace_bytes=kernel_workspace,
         unmeasured_workspace_ops=trace.unmeasured_workspaces,
         optimizer_step_peak_bytes=phases["optimizer_step"],

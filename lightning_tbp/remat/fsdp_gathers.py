@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -74,42 +75,91 @@ def root_left_as_found(module: nn.Module, inside_call: bool) -> Iterator[None]:
             module.reshard()  # type: ignore[operator]
 
 
+@dataclass(frozen=True)
+class PlannedSharding:
+    """FSDP2 as ``tiny_backprop_fsdp2`` would shard a module that is not sharded (``tbp
+    estimate`` profiles the one-device step under fake tensors): its units besides the module
+    itself (``strategies.distributed.fsdp2_units``), the processes, and whether the all-gather
+    goes through a copy of its output (gloo's; NCCL's writes into it)."""
+
+    unit_paths: tuple[str, ...]
+    world: int
+    gathers_through_copy: bool = False
+
+
+def _planned_units(module: nn.Module, planned: PlannedSharding) -> dict[nn.Module, list[tuple[int, bool]]]:
+    """Each unit of ``planned`` (the module last) with its own parameters' bytes and whether
+    each trains: a unit's parameters are those no unit inside it owns, as ``fully_shard`` groups
+    them."""
+    units = [module.get_submodule(path) for path in planned.unit_paths] + [module]
+    owned: set[int] = set()
+    params: dict[nn.Module, list[tuple[int, bool]]] = {}
+    for unit in units:  # the module, which holds every other unit, comes last
+        params[unit] = []
+        for param in unit.parameters():
+            if id(param) not in owned:
+                owned.add(id(param))
+                params[unit].append((param.numel() * param.element_size(), param.requires_grad))
+    return params
+
+
+def _held_gather_buffers(
+    unit: nn.Module, hold: Callable[[torch.Tensor, int, bool], None], gathered_now: bool
+) -> list[tuple[int, bool]]:
+    """``unit``'s gather buffers, each registered as held (``hold``), with its bytes and whether
+    its parameter trains; made first where the unit was never gathered (unless it is now)."""
+    if not gathered_now and not fsdp2_gather_buffers(unit):
+        unit.unshard()  # type: ignore[operator]  # FSDP2 makes a unit's buffers at its first gather
+        unit.reshard()  # type: ignore[operator]
+    buffers = []
+    for tensor, trains in fsdp2_gather_buffers(unit):
+        nbytes = tensor.numel() * tensor.element_size()
+        hold(tensor, nbytes, trains)
+        buffers.append((nbytes, trains))
+    return buffers
+
+
 @contextlib.contextmanager
 def gather_spans(
     module: nn.Module,
     inside_call: bool,
     events_so_far: Callable[[], int],
     hold: Callable[[torch.Tensor, int, bool], None],
+    planned: PlannedSharding | None = None,
 ) -> Iterator[Gathers]:
     """While recording ``module``'s forward: the spans of its FSDP2 units' calls, filled in as
     they run (none where nothing is sharded). ``hold(tensor, nbytes, trains)`` registers a
     buffer as held at its gathered size (its parameter's gradient is that size, before FSDP2
-    reduce-scatters it); ``events_so_far()`` is the trace's event count."""
+    reduce-scatters it); ``events_so_far()`` is the trace's event count.
+
+    ``planned``: ``module`` is not sharded, and the spans are those its sharding as planned would
+    have; its parameters, already recorded at their full size, are what the units gather."""
     distributed = dist.is_available() and dist.is_initialized()
     gathers = Gathers(
         world=dist.get_world_size() if distributed else 1, gathers_through_copy=gloo_runs_the_collectives()
     )
     spans = gathers.spans
     units = sharded_units(module)
-    if not units:
+    as_planned = not units and planned is not None
+    # each unit's gathered tensors: their bytes and whether their parameter trains
+    if as_planned:
+        assert planned is not None
+        gathers.world, gathers.gathers_through_copy = planned.world, planned.gathers_through_copy
+        gathered = _planned_units(module, planned)
+        units = list(gathered)
+    elif not units:
         yield gathers
         return
     root_gathered = inside_call and module in units  # its pre-forward hook gathered it for this call
-    sizes: dict[int, int] = {}
-    trained: dict[int, int] = {}  # bytes of the unit's gradients (its trainable parameters)
-    largest: dict[int, int] = {}  # of those, its largest parameter's
-    for unit in units:
-        if not (root_gathered and unit is module) and not fsdp2_gather_buffers(unit):
-            unit.unshard()  # type: ignore[operator]  # FSDP2 makes a unit's buffers at its first gather
-            unit.reshard()  # type: ignore[operator]
-        sizes[id(unit)] = trained[id(unit)] = largest[id(unit)] = 0
-        for tensor, trains in fsdp2_gather_buffers(unit):
-            nbytes = tensor.numel() * tensor.element_size()
-            hold(tensor, nbytes, trains)
-            sizes[id(unit)] += nbytes
-            trained[id(unit)] += nbytes if trains else 0
-            largest[id(unit)] = max(largest[id(unit)], nbytes if trains else 0)
-        gathers.reduce_inputs_kept = max(gathers.reduce_inputs_kept, fsdp2_reduce_inputs_kept(unit))
+    if not as_planned:
+        gathered = {unit: _held_gather_buffers(unit, hold, root_gathered and unit is module) for unit in units}
+        gathers.reduce_inputs_kept = max(fsdp2_reduce_inputs_kept(unit) for unit in units)
+    sizes = {id(unit): sum(nbytes for nbytes, _ in tensors) for unit, tensors in gathered.items()}
+    # bytes of the unit's gradients (its trainable parameters), and of its largest one's
+    trained = {id(unit): sum(nbytes for nbytes, trains in tensors if trains) for unit, tensors in gathered.items()}
+    largest = {
+        id(unit): max((nbytes for nbytes, trains in tensors if trains), default=0) for unit, tensors in gathered.items()
+    }
     opened: dict[int, list[int]] = {}
     called: set[int] = set()  # units whose first call's span is recorded
 
@@ -134,7 +184,7 @@ def gather_spans(
     for unit in units:
         if root_gathered and unit is module:
             continue  # its call is the whole recording
-        regathered = unit is not module and fsdp2_reshards_after_forward(unit)
+        regathered = unit is not module and (as_planned or fsdp2_reshards_after_forward(unit))
         handles.append(unit.register_forward_pre_hook(enter, prepend=True))
         handles.append(unit.register_forward_hook(leave_for(regathered)))
     try:

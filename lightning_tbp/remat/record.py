@@ -39,7 +39,7 @@ from lightning_tbp.memory.meters import allocator_peak
 from lightning_tbp.remat.calibrate import OpCalibrator, TensorSpec
 from lightning_tbp.remat.flops import flop_count
 from lightning_tbp.remat.forward_timing import frozen_buffers, scale_to_framework, time_forward
-from lightning_tbp.remat.fsdp_gathers import gather_spans, uncount_all_gather_outputs
+from lightning_tbp.remat.fsdp_gathers import PlannedSharding, gather_spans, uncount_all_gather_outputs
 from lightning_tbp.remat.host_weights import frozen_weights
 from lightning_tbp.remat.op_args import op_tensors
 from lightning_tbp.remat.ops import traits_of
@@ -398,6 +398,7 @@ def record_trace(
     measure: bool = True,
     block_inputs: BlockInputCapture | None = None,
     workspaces_below: int = 0,
+    planned_sharding: PlannedSharding | None = None,
 ) -> Trace:
     """Profile one forward of ``module(*args, **kwargs)`` without keeping activations.
 
@@ -418,6 +419,9 @@ def record_trace(
     ``workspaces_below`` (bytes, with ``measure=False``): measure the heavy ops' workspaces anyway,
     on real stand-ins on this machine's CPU, for ops whose stand-ins take less (a fake trace of a
     CPU step); ``trace.unmeasured_workspaces`` counts the ops skipped.
+
+    ``planned_sharding``: the spans FSDP2 would give ``module`` sharded so (``fsdp_gathers.py``),
+    where it is not sharded (an estimate of one rank's step from the one-device step).
     """
     trace = Trace()
     root = Node(index=0, path="", parent=-1)
@@ -489,7 +493,7 @@ def record_trace(
     listening = listening_for_notes(file_note)
     try:
         with (
-            gather_spans(module, inside_call, lambda: trace.num_events, recorder.hold) as gathers,
+            gather_spans(module, inside_call, lambda: trace.num_events, recorder.hold, planned_sharding) as gathers,
             frozen_buffers(module),
             torch.random.fork_rng(devices=cuda_devices),
             torch.autograd.graph.saved_tensors_hooks(pack, unpack),

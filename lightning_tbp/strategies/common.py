@@ -390,17 +390,7 @@ class TinyBackpropMixin:
         automatic = self.optimizer_in_backward == "auto" and self.optimizer_state_on_host is not True
         if automatic and self.memory_budget is None:
             return None, []  # no plan to take it
-        blocked = (
-            blockers(
-                trainer,
-                self.lightning_module,
-                self.optimizers,
-                private=self.privacy is not None,
-                devices=self._reduction_kind(),
-                automatic=automatic,
-            )
-            + self._fused_step_blockers()
-        )
+        blocked = self.fused_step_blockers(trainer, self.lightning_module, self.optimizers, automatic=automatic)
         if not automatic and blocked:
             raise ValueError(
                 "optimizer_in_backward=True cannot run here: "
@@ -487,6 +477,17 @@ class TinyBackpropMixin:
         """How this strategy reduces gradients across devices: None on one device, else its kind
         (``step_in_backward.REDUCES_PER_BUCKET`` names those the optimizer can step inside)."""
         return None if isinstance(self, SingleDeviceStrategy) else type(self).__name__
+
+    def fused_step_blockers(
+        self, trainer: pl.Trainer, module: pl.LightningModule, optimizers: list[Optimizer], *, automatic: bool
+    ) -> list[str]:
+        """What keeps ``optimizers`` from stepping inside ``module``'s backward in this fit, by
+        name (``step_in_backward.blockers``, and this strategy's own set-up); ``automatic``:
+        asked for ``optimizer_in_backward="auto"``. ``tbp estimate`` asks it of a config's strategy."""
+        private = self.privacy is not None
+        devices = self._reduction_kind()
+        found = blockers(trainer, module, optimizers, private=private, devices=devices, automatic=automatic)
+        return found + self._fused_step_blockers()
 
     def _fused_step_blockers(self) -> list[str]:
         """What in this strategy's own set-up keeps the optimizer out of the backward, by name."""

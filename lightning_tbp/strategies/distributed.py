@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel
@@ -67,8 +68,15 @@ class TinyBackpropDDPStrategy(TinyBackpropMixin, DDPStrategy):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.optimizer_in_backward is True:  # gradients as views of DDP's buckets: see _fused_step_blockers
-            self._ddp_kwargs.setdefault("gradient_as_bucket_view", True)
+        if self.optimizer_in_backward is True and not self._ddp_kwargs.get("gradient_as_bucket_view"):
+            # gradients as views of DDP's buckets (see _fused_step_blockers). LightningCLI passes
+            # each of DDP's options at its default, so a False here is not necessarily the user's
+            if "gradient_as_bucket_view" in self._ddp_kwargs:
+                rank_zero_info(
+                    "tiny_backprop_ddp: gradient_as_bucket_view=True, which optimizer_in_backward=True needs "
+                    "(DDP would otherwise copy every bucket back into new gradients after the backward)"
+                )
+            self._ddp_kwargs["gradient_as_bucket_view"] = True
 
     @override
     def configure_ddp(self) -> None:

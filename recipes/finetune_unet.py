@@ -19,13 +19,6 @@ from lightning_tbp import TinyBackpropStrategy
 from lightning_tbp.diffusion import DiffusionModule, ImageFolderDataModule
 
 
-def _budget(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrained", required=True)
@@ -44,7 +37,7 @@ def main() -> None:
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
-        strategy=TinyBackpropStrategy(memory_budget=_budget(args.memory_budget)),
+        strategy=TinyBackpropStrategy(memory_budget=args.memory_budget),
         max_epochs=args.epochs,
         limit_val_batches=1,
         logger=L.pytorch.loggers.CSVLogger(args.out, name="logs"),

@@ -25,13 +25,6 @@ from lightning_tbp.diffusion.models import small_unet_config
 from lightning_tbp.diffusion.reward import ConvReward, NoiseBatches, RewardFineTuneModule
 
 
-def _budget(text: str) -> float | str:
-    try:
-        return float(text)
-    except ValueError:
-        return text
-
-
 def main(argv: Sequence[str] | None = None) -> RewardFineTuneModule:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pretrained", default=None, help="a local UNet2DModel or DDPMPipeline folder")
@@ -57,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> RewardFineTuneModule:
         export_dir=str(args.out / "lora"),
     )
     noises = NoiseBatches(args.batch_size * args.max_steps, model.sample_shape(1)[1:])
-    strategy = TinyBackpropStrategy(memory_budget=_budget(args.memory_budget))
+    strategy = TinyBackpropStrategy(memory_budget=args.memory_budget)
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,

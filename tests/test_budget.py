@@ -16,13 +16,18 @@ from lightning_tbp.remat.budget import AUTO_DEFAULT_FRACTION, MemoryBudget, form
         ("300 kB", MemoryBudget("bytes", 300_000)),
         ("auto", MemoryBudget("auto")),
         ("AUTO", MemoryBudget("auto")),
+        ("0.4", MemoryBudget("fraction", 0.4)),
+        (" .25 ", MemoryBudget("fraction", 0.25)),
+        ("1", MemoryBudget("fraction", 1.0)),
     ],
 )
 def test_accepted_forms(spec, expected) -> None:
     assert parse_budget(spec) == expected
 
 
-@pytest.mark.parametrize("spec", [0.0, 1.5, -0.2, 0, -5, True, "6 parsecs", "GiB", "", "0MiB", None, [0.5]])
+@pytest.mark.parametrize(
+    "spec", [0.0, 1.5, -0.2, 0, -5, True, "6 parsecs", "GiB", "", "0MiB", None, [0.5], "1.5", "0", "0.0", "-0.2", "2"]
+)
 def test_malformed_budgets_name_the_accepted_forms(spec) -> None:
     with pytest.raises(ValueError, match="'6GiB'"):
         parse_budget(spec)

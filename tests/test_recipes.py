@@ -318,3 +318,42 @@ def test_the_reward_recipe_fine_tunes_through_the_chain_and_writes_its_adapters(
     assert "#1" in report or "#2" in report, report  # a later call of the U-Net has a decision of its own
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
     assert model.trainer.global_step == 2
+
+
+def test_the_video_vae_recipe_fine_tunes_through_its_chunks_and_writes_the_vae(tmp_path, capsys) -> None:
+    import sys
+
+    from diffusers import AutoencoderKLWan
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "recipes"))
+    try:
+        from finetune_video_vae import main
+    finally:
+        sys.path.pop(0)
+    model = main(["--max-steps", "2", "--memory-budget", "0.5", "--out", str(tmp_path)])
+    report = capsys.readouterr().out
+    assert "calls of vae.decoder" in report, report  # each chunk's call of the decoder planned on its own
+    assert model.trainer.global_step == 2
+    reloaded = AutoencoderKLWan.from_pretrained(tmp_path / "vae")
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.parameters(), model.vae.parameters(), strict=True))
+    assert not any(p.requires_grad for p in model.vae.encoder.parameters())  # the decoder alone trains
+
+
+def test_a_video_vae_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_not_one(tmp_path) -> None:
+    from diffusers import AutoencoderKLWan
+
+    from lightning_tbp.diffusion.video_vae import VideoVAEFineTuneModule, tiny_wan_vae_config
+
+    torch.manual_seed(0)
+    AutoencoderKLWan(**tiny_wan_vae_config()).save_pretrained(tmp_path / "pipeline" / "vae")
+    from_pipeline = VideoVAEFineTuneModule(pretrained=str(tmp_path / "pipeline"), train="all")
+    from_folder = VideoVAEFineTuneModule(pretrained=str(tmp_path / "pipeline" / "vae"))
+    for a, b in zip(from_pipeline.vae.parameters(), from_folder.vae.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert all(p.requires_grad for p in from_pipeline.vae.parameters())
+    with pytest.raises(ValueError, match="holds no diffusers model"):
+        VideoVAEFineTuneModule(pretrained=str(tmp_path))
+    with pytest.raises(ValueError, match="not both"):
+        VideoVAEFineTuneModule(vae_config=tiny_wan_vae_config(), pretrained=str(tmp_path / "pipeline"))
+    with pytest.raises(ValueError, match="'decoder' or 'all'"):
+        VideoVAEFineTuneModule(train="encoder")  # type: ignore[arg-type]

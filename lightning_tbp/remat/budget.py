@@ -33,7 +33,7 @@ from lightning_tbp.memory.held import HeldMemory
 AUTO_CUDA_MARGIN = 0.10
 AUTO_DEFAULT_FRACTION = 0.5
 ACCEPTED_FORMS = (
-    "a float in (0, 1] (fraction of the naive peak), an int number of bytes, "
+    "a float in (0, 1] (fraction of the naive peak; as a string too, '0.4'), an int number of bytes, "
     "a string such as '6GiB', '512MiB' or '1.5GB', or 'auto'"
 )
 _UNITS = {
@@ -48,6 +48,7 @@ _UNITS = {
     "tib": 1024**4,
 }
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+_FRACTION = re.compile(r"^\s*(?:0?\.\d+|1(?:\.0*)?)\s*$")
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,8 @@ def parse_budget(spec: object) -> MemoryBudget:
     if isinstance(spec, str):
         if spec.strip().lower() == "auto":
             return MemoryBudget("auto")
+        if _FRACTION.match(spec):  # from a command line: a fraction, as the float would be
+            return parse_budget(float(spec))
         match = _PATTERN.match(spec)
         if match and match.group(2).lower() in _UNITS:
             value = float(match.group(1)) * _UNITS[match.group(2).lower()]

@@ -543,11 +543,14 @@ class Plan:
             else f"the budget{corrected} was {format_bytes(-left)} short of what the loop held outside the step "
             f"(the loop's minimum {without})"
         )
-        self.actions += (
-            f"{alternative.action}{weighed}: {room}; it lowers the unplanned step's peak from "
-            f"{format_bytes(profile.solver.naive().peak_bytes)} to {format_bytes(solver.naive().peak_bytes)}{off} "
-            "and recomputes nothing",
+        before, after = profile.solver.naive().peak_bytes, solver.naive().peak_bytes
+        lowers = (
+            f"it lowers the unplanned step's peak from {format_bytes(before)} to {format_bytes(after)}"
+            if after < before
+            else f"the unplanned step's peak ({format_bytes(before)}) is where it frees nothing, but a plan "
+            "with it reaches lower"
         )
+        self.actions += (f"{alternative.action}{weighed}: {room}; {lowers}{off} and recomputes nothing",)
         profile.solver = solver
         loop = solver.sim.loop
         if alternative.held is not None:  # what it leaves on the device, for every shape from now on

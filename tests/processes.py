@@ -29,3 +29,12 @@ def run_in_a_gloo_group_of_one(body: str, port: int) -> None:
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert completed.returncode == 0, completed.stderr[-2000:]
+
+
+def run_script(script: str, *args: str, timeout: int = 600) -> None:
+    """Run ``tests/scripts/<script>`` with ``args`` in a process of its own (which may start
+    its own process group); fail with its stderr if it fails."""
+    path = os.path.join(os.path.dirname(__file__), "scripts", script)
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    completed = subprocess.run([sys.executable, path, *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert completed.returncode == 0, completed.stderr[-2000:]

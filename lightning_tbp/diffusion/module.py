@@ -29,6 +29,7 @@ from lightning_tbp.diffusion.models import build_model, sample_input_channels, s
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.quantized_base import BaseQuantization, quantize_base
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
+from lightning_tbp.diffusion.sharded import gathered_copy, is_sharded, shard_like
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.strategies.privacy import wants_per_sample_loss
 
@@ -184,6 +185,16 @@ class DiffusionModule(L.LightningModule):
         if self.ema is not None:
             self.ema.update_parameters(self._averaged_weights())
 
+    @override
+    def on_fit_start(self) -> None:
+        self._shard_ema()
+
+    def _shard_ema(self) -> None:
+        """Under FSDP2 the EMA is kept as shards laid out like the weights it follows (a
+        collective; nothing to do otherwise): before the plan, which counts it, is made."""
+        if self.ema is not None:
+            shard_like(self.ema.module, self._averaged_weights())
+
     def _averaged_weights(self) -> nn.Module:
         """What the EMA averages: the model, or under LoRA its adapters alone."""
         return self.model if self.lora is None else TrainableWeights(self.model)
@@ -223,11 +234,13 @@ class DiffusionModule(L.LightningModule):
     @contextlib.contextmanager
     def inference_model(self) -> Iterator[nn.Module]:
         """The model to sample and export: the EMA weights when kept, else the trained ones.
-        Under LoRA the averaged adapters are copied into the model for the block, and the
-        trained ones back after it."""
-        if self.ema is None or self.lora is None:
+        Under LoRA (the EMA holds the adapters alone) or FSDP2 (the EMA holds shards, which only
+        the sharded model gathers) the averaged weights are copied into the model for the block,
+        and the trained ones back after it."""
+        if self.ema is None or (self.lora is None and not is_sharded(self.model)):
             yield self.ema.module if self.ema is not None else self.model
             return
+        self._shard_ema()  # outside a fit (validate, export) it may not be yet
         live = dict(self._averaged_weights().named_parameters())
         trained = {name: param.detach().clone() for name, param in live.items()}
         with torch.no_grad():
@@ -277,10 +290,16 @@ class DiffusionModule(L.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or self.hparams.sample_images <= 0 or not self.trainer.is_global_zero:
+        if self.trainer.sanity_checking or self.hparams.sample_images <= 0:
             return
-        images = self.sample(self.hparams.sample_images)
-        path = Path(self._output_root()) / "samples" / f"step_{self.global_step:06d}.png"
+        root = self._output_root()  # every rank asks: on several devices Lightning broadcasts it
+        sharded = is_sharded(self.model)
+        if not (self.trainer.is_global_zero or sharded):
+            return
+        images = self.sample(self.hparams.sample_images)  # sharded, every rank samples (the same grid)
+        if not self.trainer.is_global_zero:
+            return
+        path = Path(root) / "samples" / f"step_{self.global_step:06d}.png"
         self.last_sample_grid = save_image_grid(images, path)
         experiment = getattr(self.logger, "experiment", None)
         if hasattr(experiment, "add_image"):
@@ -291,11 +310,13 @@ class DiffusionModule(L.LightningModule):
 
     @override
     def on_fit_end(self) -> None:
-        if self.hparams.export and self.trainer.is_global_zero:
-            default = Path(self._output_root()) / ("lora" if self.lora is not None else "pretrained")
+        if not self.hparams.export:
+            return
+        default = Path(self._output_root()) / ("lora" if self.lora is not None else "pretrained")  # every rank asks
+        if self.trainer.is_global_zero or is_sharded(self.model):  # sharded, every rank gathers the weights
             self.exported_to = self.export(self.hparams.export_dir or default)
-            what = "LoRA adapters (diffusers' format)" if self.lora is not None else "model (diffusers save_pretrained)"
-            rank_zero_info(f"DiffusionModule: {what} written to {self.exported_to}")
+        what = "LoRA adapters (diffusers' format)" if self.lora is not None else "model (diffusers save_pretrained)"
+        rank_zero_info(f"DiffusionModule: {what} written to {self.exported_to}")
 
     def export(self, directory: str | Path) -> Path:
         """Write the (EMA) model and the noise scheduler as a diffusers folder.
@@ -307,6 +328,10 @@ class DiffusionModule(L.LightningModule):
         """
         directory = Path(directory)
         with self.inference_model() as model:
+            if is_sharded(model):  # a collective: each rank's shards gathered, written by rank 0
+                model = gathered_copy(model, self._unsharded_model, self.trainer.is_global_zero)
+                if model is None:
+                    return directory
             if self.lora is not None:
                 save_lora(model, directory)
             elif self.family.name == "unet2d":
@@ -315,6 +340,13 @@ class DiffusionModule(L.LightningModule):
                 model.save_pretrained(directory / self.family.pipeline_subfolder)
                 self.noise_scheduler.save_pretrained(directory / "scheduler")
         return directory
+
+    def _unsharded_model(self) -> nn.Module:
+        """A fresh model of this module's structure (LoRA adapters included), on the CPU."""
+        model = self.family.model_class.from_config(self.model.config)
+        if self.lora is not None:
+            add_lora(model, self.lora)
+        return model
 
     def _output_root(self) -> str:
         return self.trainer.log_dir or self.trainer.default_root_dir

@@ -274,6 +274,8 @@ def test_a_multi_device_config_with_the_optimizer_inside_the_backward_is_estimat
     assert fused.step_in_backward and fused.world_size == 2
     assert fused.layout == ("ddp" if "DDP" in strategy else "fsdp2")
     assert "inside the backward" in format_estimate(fused)
+    # the EMA is a copy of the weights, kept as shards like them under FSDP2
+    assert fused.parameter_bytes["ema"] == pytest.approx(fused.parameter_bytes["model"], rel=0.01)
     plain = estimate_config([*args, "--trainer.strategy.init_args.optimizer_in_backward=false"], minimum=False)
     assert fused.optimizer_step_peak_bytes < plain.optimizer_step_peak_bytes
 

@@ -189,6 +189,12 @@ class DiffusionModule(L.LightningModule):
     def on_fit_start(self) -> None:
         self._shard_ema()
 
+    @property
+    def sharded_copies(self) -> tuple[str, ...]:
+        """Children that hold a copy of the weights kept as shards like them under FSDP2 (the
+        EMA): what ``tbp estimate`` divides per rank."""
+        return ("ema",) if self.ema is not None else ()
+
     def _shard_ema(self) -> None:
         """Under FSDP2 the EMA is kept as shards laid out like the weights it follows (a
         collective; nothing to do otherwise): before the plan, which counts it, is made."""

@@ -16,6 +16,7 @@ The rest is modelled, not traced: the fake step runs on one device.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,9 +60,10 @@ def planned_sharding(layout: Layout, target: nn.Module, through_copy: bool) -> P
     return PlannedSharding(tuple(fsdp2_units(target)), layout.world_size, through_copy)
 
 
-def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module) -> None:
+def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module, copies: Collection[str] = ()) -> None:
     """Turn ``estimate`` (one device; under FSDP2 its forward and backward simulated per rank
-    already) into one rank's figures under ``layout``, in place."""
+    already) into one rank's figures under ``layout``, in place; ``copies``: names in
+    ``estimate.parameter_bytes`` of copies of the target's weights FSDP2 keeps sharded alike."""
     estimate.layout, estimate.world_size = layout.kind, layout.world_size
     if layout.kind == "ddp":
         estimate.communication_bytes = estimate.gradient_bytes
@@ -71,6 +73,8 @@ def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module) -> None:
     parameters, gradients = _bytes(target, False), _bytes(target, True)
     owner = next(iter(estimate.parameter_bytes))  # the first module holds the target's storages
     estimate.parameter_bytes[owner] -= int(parameters * shed)
+    for name in copies:
+        estimate.parameter_bytes[name] -= int(estimate.parameter_bytes[name] * shed)
     estimate.optimizer_state_bytes -= int(estimate.optimizer_state_bytes * shed)
     units = [target.get_submodule(path) for path in fsdp2_units(target)]
     estimate.communication_bytes = 2 * max((_bytes(unit, False) for unit in units), default=parameters)

@@ -116,4 +116,5 @@ def lightning_step(
         optimizer_step,
         [optimizer],
         zero_grad_before_backward=zero_grad_before_backward,
+        sharded_copies=tuple(getattr(module, "sharded_copies", ())),
     )

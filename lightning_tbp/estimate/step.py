@@ -100,6 +100,9 @@ class TrainingStep:
     zero_grad: Callable[[], None] | None = None
     layout: Layout = field(default_factory=Layout)
     """One rank's figures under DDP or FSDP2 (``layout.py``); one device by default."""
+    sharded_copies: tuple[str, ...] = ()
+    """Names in ``modules`` of copies of the target's weights kept as shards like them under
+    FSDP2 (``DiffusionModule``'s EMA): 1/N per rank there too."""
     gradients_at_forward: frozenset[PriorGradients] = frozenset({PriorGradients.RELEASED})
     """The training loop's cases (``remat.step.PriorGradients``): which gradients are alive as a
     step's forward starts. The estimate is the highest of them."""
@@ -416,7 +419,7 @@ def estimate_step(
         host_parameters=None if hosted is None else (len(on_host), len(trainable_names)),
         state_bytes_by_parameter=state_by_name,
     )
-    per_rank(estimate, step.layout, step.target)
+    per_rank(estimate, step.layout, step.target, step.sharded_copies)
     if minimum:
         _find_minimum(estimate, solver)
     if device_memory is not None:

@@ -191,8 +191,9 @@ def test_a_dp_lora_fit_below_the_device_only_minimum_streams_its_base() -> None:
 def test_a_dp_full_fine_tune_below_the_device_only_minimum_keeps_its_state_on_the_host() -> None:
     """A whole DP fit (bookkeeping, Poisson batches, noise) of a DiT full fine-tune under a device
     budget below what the device alone reaches with the optimizer inside the backward: the
-    optimizer's state and step go to the host by default, every metered step is within the
-    budget, and the weights end where the same run with the state on the device ends."""
+    optimizer's state and step go to the host by default (all of it, or the part predicted
+    fastest), every metered step is within the budget, and the weights end where the same run
+    with the state on the device ends."""
     batch = 2
     rows = [row.repeat_interleave(4, 0) for row in ZooModule("dit", batch=batch).rows]
     loader = DataLoader(TensorDataset(*rows), batch_size=batch)
@@ -205,7 +206,9 @@ def test_a_dp_full_fine_tune_below_the_device_only_minimum_keeps_its_state_on_th
     assert with_host <= without - state // 2, (with_host, without)
     run = _fit(ZooModule("dit", batch=batch), loader, strategy((with_host + without) // 2, "auto"), max_steps=4)
     plan = run["plan"]
-    assert plan.loop.host_state_bytes >= state and plan.loop.step_in_backward
+    # all of the state, or a part that covers what the device lacked where that part is predicted
+    # faster (the choice is by op times measured in the run: under a loaded suite it took a part)
+    assert 0 < plan.loop.host_state_bytes <= 2 * state and plan.loop.step_in_backward
     assert any("the optimizer's state and step on the host" in action for action in plan.actions)
     assert Option.STREAM not in plan.options.values()  # a full fine-tune has no frozen weights to stream
     on_device = _fit(ZooModule("dit", batch=batch), loader, strategy(without, "off"), max_steps=4)["module"]

@@ -547,8 +547,7 @@ class Plan:
         lowers = (
             f"it lowers the unplanned step's peak from {format_bytes(before)} to {format_bytes(after)}"
             if after < before
-            else f"the unplanned step's peak ({format_bytes(before)}) is where it frees nothing, but a plan "
-            "with it reaches lower"
+            else f"the unplanned step's peak stays at {format_bytes(before)}, but a plan with it reaches lower"
         )
         self.actions += (f"{alternative.action}{weighed}: {room}; {lowers}{off} and recomputes nothing",)
         profile.solver = solver

@@ -61,21 +61,22 @@ def family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def model_directory(path: str | os.PathLike[str], fam: Family) -> Path:
-    """The folder holding the model's ``config.json``: ``path`` itself or its pipeline subfolder."""
+def model_directory(path: str | os.PathLike[str], subfolder: str) -> Path:
+    """The folder holding the model's ``config.json``: ``path`` itself or its pipeline's
+    ``subfolder`` (``unet``, ``transformer``, ``vae``)."""
     root = Path(path)
     if not root.is_dir():
         raise FileNotFoundError(
             f"pretrained model directory {str(root)!r} does not exist; give a local diffusers model folder "
-            f"(config.json + weights) or a pipeline folder with a '{fam.pipeline_subfolder}' subfolder "
+            f"(config.json + weights) or a pipeline folder with a '{subfolder}' subfolder "
             "(no hub downloads at run time)"
         )
-    for candidate in (root, root / fam.pipeline_subfolder):
+    for candidate in (root, root / subfolder):
         if (candidate / "config.json").is_file():
             return candidate
     raise FileNotFoundError(
         f"{str(root)!r} is neither a diffusers model folder nor a pipeline folder: no config.json in it or in "
-        f"its '{fam.pipeline_subfolder}' subfolder"
+        f"its '{subfolder}' subfolder"
     )
 
 
@@ -86,7 +87,7 @@ def build_model(family_name: str, config: dict[str, Any] | None = None, pretrain
         return fam.model_class(**(config or {}))
     if config:
         raise ValueError("give either model_config (a fresh model) or pretrained (local weights), not both")
-    directory = model_directory(pretrained, fam)
+    directory = model_directory(pretrained, fam.pipeline_subfolder)
     declared = json.loads((directory / "config.json").read_text()).get("_class_name")
     if declared not in (None, fam.model_class.__name__):
         raise ValueError(

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.data import Dataset
 from typing_extensions import override
 
+from lightning_tbp.diffusion.models import model_directory
 from lightning_tbp.optim.choice import OptimizerName, make_optimizer
 from lightning_tbp.strategies.privacy import wants_per_sample_loss
 
@@ -52,12 +53,12 @@ def load_video_vae(config: dict[str, Any] | None, pretrained: str | None) -> Any
         return AutoencoderKLWan(**(config or tiny_wan_vae_config()))
     if config is not None:
         raise ValueError("pass vae_config or pretrained, not both: a pretrained VAE brings its own config")
-    folder = Path(pretrained)
-    if not (folder / "config.json").is_file() and (folder / "vae" / "config.json").is_file():
-        folder = folder / "vae"
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"{pretrained} holds no diffusers model (no config.json, nor vae/config.json)")
-    return AutoencoderKLWan.from_pretrained(folder)
+    try:
+        directory = model_directory(pretrained, "vae")
+    except FileNotFoundError as error:
+        raise ValueError(f"{pretrained} holds no diffusers model: {error}") from error
+    # in train mode: from_pretrained returns eval mode, which Lightning keeps for submodules
+    return AutoencoderKLWan.from_pretrained(directory, local_files_only=True).train()
 
 
 class Autoencoding(nn.Module):

@@ -24,7 +24,6 @@ from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.optim.host_state import fewest_covering
 from lightning_tbp.remat.step import PART_FACTORS, PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
-from lightning_tbp.strategies.step_in_backward import blockers
 
 
 class EstimateConfigError(ValueError):
@@ -96,13 +95,11 @@ def estimate_config(
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)
         strategy = trainer.strategy
-        automatic = mode == "auto"
-        if isinstance(strategy, TinyBackpropMixin):  # the strategy's own refusals (DDP's buckets) too
-            blocked = strategy.fused_step_blockers(trainer, module, step.optimizers, automatic=automatic)
-        else:
-            blocked = blockers(
-                trainer, module, step.optimizers, private=privacy is not None, devices=None, automatic=automatic
-            )
+        blocked = (  # only the tiny_backprop strategies step inside the backward: others' mode is False
+            strategy.fused_step_blockers(trainer, module, step.optimizers, automatic=mode == "auto")
+            if isinstance(strategy, TinyBackpropMixin)
+            else []
+        )
         modes.append((mode, blocked))
         host_mode = getattr(trainer.strategy, "host_tier", "off")
         host_modes.append(host_mode if getattr(trainer.strategy, "host_tier_supported", False) else "off")

@@ -366,8 +366,8 @@ def estimate_step(
     model.fill_costs(trace)
     # the metered step ran on one device: what FSDP2 changes in the target's forward and backward
     # is the simulation's with the units' spans against the same trace without them
-    one_device = dataclasses.replace(trace, fsdp=Gathers())
-    if trace.fsdp.spans:  # the last step's gradients, where alive, are sharded
+    one_device = dataclasses.replace(trace, fsdp=Gathers()) if trace.fsdp.spans else None
+    if one_device is not None:  # the last step's gradients, where alive, are sharded
         trace.parameter_grad_bytes = -(-trace.parameter_grad_bytes // trace.fsdp.world)
     solver = Solver(
         Simulator(trace, step_model, loop=loop),
@@ -384,7 +384,7 @@ def estimate_step(
         0, target_naive - Simulator(unworked, step_model, loop=loop).run([Option.KEEP] * len(trace.nodes)).peak_bytes
     )
     sharded_minus_one_device = 0
-    if trace.fsdp.spans:
+    if one_device is not None:
         plain = Simulator(one_device, step_model, loop=loop).run([Option.KEEP] * len(trace.nodes)).peak_bytes
         sharded_minus_one_device = target_naive - plain
     estimate = StepEstimate(

@@ -508,6 +508,28 @@ def test_fsdp2_and_ddp_layouts_per_rank() -> None:
         Layout("tp", 2)
 
 
+def test_a_copy_of_the_weights_kept_sharded_is_divided_per_rank_but_not_its_buffers() -> None:
+    """``DiffusionModule``'s EMA under FSDP2: its parameters are shards like the weights', 1/N per
+    rank; a buffer beside them (here one of 1 MiB) stays whole on every rank, as FSDP2 keeps
+    buffers."""
+    build = _diffusion_step(ema_decay=0.99)
+
+    def on(layout: Layout, buffer_bytes: int) -> StepEstimate:
+        def laid_out() -> TrainingStep:
+            step = build()
+            step.layout = layout
+            step.modules["ema"].register_buffer("extra", torch.zeros(buffer_bytes, dtype=torch.uint8))
+            return step
+
+        return estimate_step(laid_out, device=CPU, minimum=False)
+
+    one, sharded = on(Layout(), 1 << 20), on(Layout("fsdp2", 4), 1 << 20)
+    without = on(Layout("fsdp2", 4), 0)
+    weights = one.parameter_bytes["ema"] - (1 << 20)
+    assert sharded.parameter_bytes["ema"] - without.parameter_bytes["ema"] == pytest.approx(1 << 20, abs=4096)
+    assert without.parameter_bytes["ema"] == pytest.approx(weights / 4, rel=0.01)
+
+
 def test_the_optimizer_inside_the_backward_is_estimated_per_rank_under_ddp_and_fsdp2() -> None:
     """Each rank's step with the optimizer inside the backward: under DDP the buckets stay (the
     gradients are views of them), under FSDP2 each unit's sharded gradients are stepped in its

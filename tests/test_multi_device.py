@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -393,31 +394,44 @@ def test_an_exception_on_rank_1_stops_the_run_with_its_message(tmp_path) -> None
 
 
 @pytest.mark.slow
-def test_the_main_job_runs_on_two_processes_with_ema_sampling_and_export(tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_the_main_job_runs_and_resumes_on_two_processes_with_ema_sampling_and_export(
+    lora: bool, tmp_path: Path
+) -> None:
     """``tbp fit -c configs/ddpm_unet_tiny.yaml`` on two CPU processes under tiny_backprop_ddp
     and tiny_backprop_fsdp2, with its EMA, a sample grid after each validation and the export at
-    the end. Each of these crashed a fit on two processes: the output folder is a collective
-    Lightning broadcasts, which rank 0 alone asked for; under FSDP2 the EMA (a plain copy) met
-    sharded weights, the grid's forward needs every rank, and the export's whole weights are
-    gathered from every rank. The two layouts train the same weights: their exported EMA
-    models agree."""
+    the end: two steps, then resumed from their checkpoint for two more (under FSDP2 a
+    distributed checkpoint whose EMA is shards). Each of these crashed a fit on two processes:
+    the output folder is a collective Lightning broadcasts, which rank 0 alone asked for; under
+    FSDP2 the EMA (a plain copy) met sharded weights, the grid's forward needs every rank, and the
+    export's whole weights are gathered from every rank. The two layouts train the same weights:
+    their exported EMA models (under LoRA, the EMA of the adapters) agree."""
     from diffusers import UNet2DModel
+    from safetensors.torch import load_file
 
     config = Path(__file__).parents[1] / "configs" / "ddpm_unet_tiny.yaml"
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    exported = {}
+    exported: dict[str, dict[str, torch.Tensor]] = {}
     for strategy in ("tiny_backprop_ddp", "tiny_backprop_fsdp2"):
         root = tmp_path / strategy
         command = [str(Path(sys.executable).parent / "tbp"), "fit", "-c", str(config)]
-        command += [f"--trainer.strategy={strategy}", "--trainer.devices=2", "--trainer.max_steps=4"]
-        command += ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1", "--trainer.logger=false"]
-        command += ["--trainer.check_val_every_n_epoch=1", "--trainer.enable_checkpointing=false"]
+        command += [f"--trainer.strategy={strategy}", "--trainer.devices=2", "--trainer.limit_train_batches=2"]
+        command += ["--trainer.limit_val_batches=1", "--trainer.logger=false", "--trainer.check_val_every_n_epoch=1"]
         command += [f"--trainer.default_root_dir={root}", "--model.init_args.sample_images=4"]
-        command += ["--model.init_args.sample_steps=3"]
-        completed = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
-        assert completed.returncode == 0, completed.stderr[-3000:]
-        assert sorted(p.name for p in (root / "samples").iterdir()) == ["step_000002.png", "step_000004.png"]
-        exported[strategy] = UNet2DModel.from_pretrained(root / "pretrained" / "unet")
-    pairs = zip(exported["tiny_backprop_ddp"].parameters(), exported["tiny_backprop_fsdp2"].parameters(), strict=True)
-    for ddp, fsdp2 in pairs:
-        torch.testing.assert_close(fsdp2, ddp, rtol=1e-4, atol=1e-5)
+        command += ["--model.init_args.sample_steps=3", *(["--model.init_args.lora_rank=4"] if lora else [])]
+        for steps, resume in ((2, []), (4, [f"--ckpt_path={root / 'checkpoints' / 'epoch=0-step=2.ckpt'}"])):
+            shutil.rmtree(root / "samples", ignore_errors=True)
+            run = [*command, f"--trainer.max_steps={steps}", *resume]
+            completed = subprocess.run(run, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+            assert completed.returncode == 0, completed.stderr[-3000:]
+            assert "sync_dist" not in completed.stderr  # the validation loss is reduced over the ranks
+            # the resumed fit starts at step 2: its one grid is step 4's
+            assert [p.name for p in (root / "samples").iterdir()] == [f"step_{steps:06d}.png"]
+        if lora:
+            exported[strategy] = load_file(root / "lora" / "pytorch_lora_weights.safetensors")
+        else:
+            exported[strategy] = dict(UNet2DModel.from_pretrained(root / "pretrained" / "unet").named_parameters())
+    ddp, fsdp2 = exported["tiny_backprop_ddp"], exported["tiny_backprop_fsdp2"]
+    assert sorted(ddp) == sorted(fsdp2) and ddp
+    for name, weight in ddp.items():
+        torch.testing.assert_close(fsdp2[name], weight, rtol=1e-4, atol=1e-5)

@@ -234,7 +234,7 @@ class DiffusionModule(L.LightningModule):
         if self._sample_conditioning is None:
             self._sample_conditioning = {k: v for k, v in batch.items() if k != "images" and torch.is_tensor(v)}
         loss = self.diffusion_loss(batch).mean()
-        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)  # every rank validates its own batches
         return loss
 
     @contextlib.contextmanager

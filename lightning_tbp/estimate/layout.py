@@ -16,7 +16,7 @@ The rest is modelled, not traced: the fake step runs on one device.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,10 +60,13 @@ def planned_sharding(layout: Layout, target: nn.Module, through_copy: bool) -> P
     return PlannedSharding(tuple(fsdp2_units(target)), layout.world_size, through_copy)
 
 
-def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module, copies: Collection[str] = ()) -> None:
+def per_rank(
+    estimate: StepEstimate, layout: Layout, target: nn.Module, copies: Mapping[str, nn.Module] | None = None
+) -> None:
     """Turn ``estimate`` (one device; under FSDP2 its forward and backward simulated per rank
-    already) into one rank's figures under ``layout``, in place; ``copies``: names in
-    ``estimate.parameter_bytes`` of copies of the target's weights FSDP2 keeps sharded alike."""
+    already) into one rank's figures under ``layout``, in place; ``copies``: modules, by their
+    names in ``estimate.parameter_bytes``, holding copies of the target's weights kept sharded
+    alike (their parameters only: FSDP2 shards no buffer)."""
     estimate.layout, estimate.world_size = layout.kind, layout.world_size
     if layout.kind == "ddp":
         estimate.communication_bytes = estimate.gradient_bytes
@@ -73,8 +76,8 @@ def per_rank(estimate: StepEstimate, layout: Layout, target: nn.Module, copies: 
     parameters, gradients = _bytes(target, False), _bytes(target, True)
     owner = next(iter(estimate.parameter_bytes))  # the first module holds the target's storages
     estimate.parameter_bytes[owner] -= int(parameters * shed)
-    for name in copies:
-        estimate.parameter_bytes[name] -= int(estimate.parameter_bytes[name] * shed)
+    for name, copy in (copies or {}).items():
+        estimate.parameter_bytes[name] -= int(_bytes(copy, False) * shed)
     estimate.optimizer_state_bytes -= int(estimate.optimizer_state_bytes * shed)
     units = [target.get_submodule(path) for path in fsdp2_units(target)]
     estimate.communication_bytes = 2 * max((_bytes(unit, False) for unit in units), default=parameters)

@@ -419,7 +419,7 @@ def estimate_step(
         host_parameters=None if hosted is None else (len(on_host), len(trainable_names)),
         state_bytes_by_parameter=state_by_name,
     )
-    per_rank(estimate, step.layout, step.target, step.sharded_copies)
+    per_rank(estimate, step.layout, step.target, {name: step.modules[name] for name in step.sharded_copies})
     if minimum:
         _find_minimum(estimate, solver)
     if device_memory is not None:

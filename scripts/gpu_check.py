@@ -51,7 +51,8 @@ ZOO_ARCHITECTURES = ("dit",)  # SD3 ran on an H100 and an H200 alike: docs/bench
 PARTS: list[Part] = [
     Part(
         "tests",
-        limit_s=170,  # 32 tests took about 120 s on an H200; the FSDP2 host-tier fit is new; -v names each as it ends
+        limit_s=170,  # 32 tests: about 120 s on an H200; -v names each as it ends
+        # new since: the FSDP2 host-tier fit and the main job under FSDP2 (each ~15 s on CPU)
         gpu=_pytest("-v", "--tb=short", "tests/test_compat.py", "tests/test_cuda.py", "--junitxml={out}/junit.xml"),
         smoke=_pytest("tests/test_cuda.py", "--junitxml={out}/junit.xml"),
     ),

@@ -422,3 +422,26 @@ def test_the_memory_callback_on_cuda_records_history_and_dumps_an_out_of_memory_
         trainer.fit(RunsOutOfMemory(), DataLoader(TensorDataset(data), batch_size=4))
     assert (tmp_path / "oom_snapshot_rank0.pickle").stat().st_size > 0
     assert (tmp_path / "memory_history_rank0.pickle").stat().st_size > 0
+
+
+def test_the_main_job_under_fsdp2_on_one_gpu_samples_and_exports_its_ema(tmp_path: Path) -> None:
+    """``tbp fit -c configs/ddpm_unet_tiny.yaml`` under tiny_backprop_fsdp2 on one GPU (NCCL):
+    its EMA kept as DTensor shards, every rank sampling the grid and the export gathering the
+    whole EMA weights (on CPU: ``test_multi_device``'s two-process main job, on gloo)."""
+    from diffusers import UNet2DModel
+
+    config = Path(__file__).parents[1] / "configs" / "ddpm_unet_tiny.yaml"
+    command = [sys.executable, "-m", "lightning_tbp.cli", "fit", "-c", str(config)]
+    command += ["--trainer.accelerator=gpu", "--trainer.devices=1", "--trainer.strategy=tiny_backprop_fsdp2"]
+    command += ["--trainer.max_steps=2", "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=1"]
+    command += ["--trainer.check_val_every_n_epoch=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false"]
+    command += [
+        f"--trainer.default_root_dir={tmp_path}",
+        "--model.init_args.sample_images=4",
+        "--model.init_args.sample_steps=3",
+    ]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=150, cwd=tmp_path)
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-4000:]
+    assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_000002.png"]
+    exported = UNet2DModel.from_pretrained(tmp_path / "pretrained" / "unet")
+    assert all(torch.isfinite(p).all() for p in exported.parameters())

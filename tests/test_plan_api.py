@@ -6,6 +6,7 @@ import warnings
 import pytest
 import torch
 from models import CASES, make_case, mlp_chain, training_step
+from processes import run_in_a_gloo_group_of_one
 from torch import nn
 
 from lightning_tbp import InfeasibleBudgetError, NothingToPlanWarning, rematerialize
@@ -323,3 +324,33 @@ def test_block_calibration_rounds_fill_their_time(monkeypatch, fill_ns: int, rou
     extra = calibrate_blocks._time_block(model, "1", ((torch.randn(8, 16),), {}), options, cache_limit=0)
     assert set(extra) == set(options) and all(t >= 0 for t in extra.values())
     assert len(steps) == 1 + rounds * (1 + len(options))
+
+
+def test_a_plan_refuses_weights_sharded_after_it_was_made() -> None:
+    """``fully_shard`` after ``rematerialize``: the plan counted the weights whole and no
+    all-gather (the zoo's DiT ran at 1.10x its prediction, silently). Its next call is refused with
+    the fix; planned after sharding, the same model runs its steps (inside and outside the call
+    a unit's parameters are gathered tensors or DTensor shards: neither is a change)."""
+    body = """
+    import pytest
+    from torch.distributed.fsdp import fully_shard
+    from lightning_tbp import rematerialize
+    from lightning_tbp.testing.zoo_models import ZOO
+
+    def shard(model):
+        for block in model.transformer_blocks[1:]:
+            fully_shard(block)
+        fully_shard(model)
+
+    case = ZOO["dit"].case(batch=8)
+    plan = rematerialize(case.model, *case.args, memory_budget=0.8, **case.kwargs)
+    shard(case.model)
+    with pytest.raises(RuntimeError, match=r"changed layout after its plan was made .*FSDPDiT.*plan.remove\\(\\)"):
+        case.loss()
+    plan.remove()
+    plan = rematerialize(case.model, *case.args, memory_budget=0.8, **case.kwargs)
+    for _ in range(2):
+        case.loss().backward()
+    assert plan.current is not None and len(plan.shape_plans) == 1
+    """
+    run_in_a_gloo_group_of_one(body, port=29671)

@@ -55,6 +55,15 @@ def sharded_units(module: nn.Module) -> list[nn.Module]:
     return [sub for sub in module.modules() if isinstance(sub, FSDPModule)]
 
 
+def is_dtensor_class(kind: type) -> bool:
+    """Whether ``kind`` is DTensor's (the class of FSDP2's shards) or a subclass of it."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return issubclass(kind, DTensor)
+
+
 def _gathered_now(unit: nn.Module) -> bool:
     return any(tensor.untyped_storage().nbytes() for tensor, _ in fsdp2_gather_buffers(unit))
 

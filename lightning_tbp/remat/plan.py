@@ -40,7 +40,7 @@ from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
-from lightning_tbp.remat.fsdp_gathers import root_left_as_found
+from lightning_tbp.remat.fsdp_gathers import is_dtensor_class, root_left_as_found
 from lightning_tbp.remat.host_tier import HostTier, default_host_budget
 from lightning_tbp.remat.loss import assumed_loss_bytes
 from lightning_tbp.remat.options import Option
@@ -87,6 +87,29 @@ __all__ = ["Agreement", "BatchAboveCeilingWarning", "NothingToPlanWarning", "Pla
 
 class BatchAboveCeilingWarning(UserWarning):
     """A batch larger than the plan's batch ceiling ran with the ceiling's plan."""
+
+
+def weights_layout(module: nn.Module) -> tuple[type, type | None]:
+    """What a plan's byte counts depend on that can change under it without a new input
+    signature, read in O(1): the module's class (``fully_shard`` swaps it for an FSDP one) and
+    its first parameter's (a tensor subclass once quantized). A DTensor counts as a tensor: FSDP2
+    swaps a unit's shards for the gathered tensors in its forward and back after it, so plans
+    made inside and outside the call see either."""
+    first = next(module.parameters(), None)
+    if first is None:
+        return type(module), None
+    kind = type(first.data)
+    return type(module), torch.Tensor if is_dtensor_class(kind) else kind
+
+
+def _layout_change(planned: tuple[type, type | None], now: tuple[type, type | None]) -> str:
+    changes = []
+    if planned[0] is not now[0]:
+        changes.append(f"its class {planned[0].__name__} is now {now[0].__name__}")
+    if planned[1] is not now[1]:
+        was, became = (getattr(kind, "__name__", "none") for kind in (planned[1], now[1]))
+        changes.append(f"its parameters, {was} when planned, are {became} now")
+    return " and ".join(changes)
 
 
 @dataclass
@@ -203,6 +226,7 @@ class Plan:
         self._planning = False
         self._caught_errors = False  # planning went on past an error (``plan_for`` collects its cycles)
         self._inside_call = False  # planning from the module's own forward pre-hook
+        self._planned_layout: tuple[type, type | None] | None = None  # the weights' as the plans were made
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         # the first of the module's forward hooks and (where the plan is made after the module's
         # other hooks, as the strategies make it) the last: see ``verify.StepMeter``
@@ -214,6 +238,7 @@ class Plan:
         """Profile, solve and activate the plan for this call's input signature (cached)."""
         batch = batch_size_of(args, kwargs)
         key = self._key(args, kwargs)
+        self._check_layout()
         planned = self.shape_plans.get(key)
         fresh = planned is None
         if planned is None:
@@ -237,6 +262,7 @@ class Plan:
                     self._caught_errors = False
                     gc.collect()
             self.shape_plans[key] = planned
+            self._planned_layout = weights_layout(self.module)
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(planned))
         elif self.batch_ceiling is not None:
             self._check_ceiling(batch)
@@ -248,6 +274,21 @@ class Plan:
             if self._comparable_step():
                 self._meter.start(_device_of(self.module, args, kwargs))
         return planned
+
+    def _check_layout(self) -> None:
+        """Refuse to run plans made for weights laid out otherwise: sharded by ``fully_shard`` (or
+        quantized) after the plans were made, they count the weights whole and the all-gathers
+        not at all (the zoo's DiT sharded after its plan peaked 1.10x its prediction, silently)."""
+        if self._planned_layout is None:
+            return
+        now = weights_layout(self.module)
+        if now != self._planned_layout:
+            raise RuntimeError(
+                f"lightning_tbp: the module's weights changed layout after its plan was made "
+                f"({_layout_change(self._planned_layout, now)}): the plan counts the weights as they were and "
+                "no all-gather of sharded ones, so its budget would not hold. Shard (fully_shard) or quantize the "
+                "model first and plan it after: call plan.remove() and rematerialize it again"
+            )
 
     def _alongside(self, args: tuple, kwargs: dict, batch: int | None) -> Alongside:
         """What the loop keeps beside the step of this call, for the batch the plan is made for."""

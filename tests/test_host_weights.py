@@ -11,6 +11,7 @@ parameters alone take.
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -171,7 +172,8 @@ def test_more_lora_models_stream_and_keep_their_word(name: str) -> None:
 def test_a_device_smaller_than_the_weights_trains_a_lora_with_them_streamed() -> None:
     """A whole fit of a Flux-style LoRA whose device budget is below the bytes of its parameters:
     the step's budget is negative, the host tier is taken by default ('auto'), and every metered
-    step of the loop holds the budget and the prediction."""
+    step of the loop holds the budget and the prediction. The plan's report gives sizes above what
+    stays on the device (the streamed weights on the host), never below zero."""
     module = ZooModule("flux", batch=1, lora_rank=4)
     loader = DataLoader(TensorDataset(*module.rows), batch_size=1)
     parameters = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -184,6 +186,8 @@ def test_a_device_smaller_than_the_weights_trains_a_lora_with_them_streamed() ->
     plan = run["plan"]
     assert plan.budget_bytes < 0 and plan.streamed_bytes > 0
     assert "host_tier='auto'" in " ".join(plan.actions) and "stream their frozen weights" in " ".join(plan.actions)
+    report = strategy.plan.report(plan)
+    assert "leaves nothing (" in report and not re.search(r"-\d[\d.]* (B|KiB|MiB|GiB)\b", report), report
     assert [s["step"] for s in run["loop_steps"]][:3] == [0, 1, 2]
     for step in run["loop_steps"]:
         assert step["peak_bytes"] <= step["budget_bytes"], step

@@ -135,6 +135,20 @@ def device_level_ratio(measured_bytes: int, reference_bytes: int, streamed_bytes
     return (measured_bytes + streamed_bytes) / max(reference_bytes + streamed_bytes, 1)
 
 
+def format_level(step_bytes: int, streamed_bytes: int) -> str:
+    """A step's bytes as reports give them: above what stays on the device outside the step.
+    Counted against the parameters as loaded, a plan that streams ``streamed_bytes`` of frozen
+    weights from the host reads them below zero (a Flux LoRA's step on a card smaller than its
+    weights); those bytes are added back, as :func:`device_level_ratio` adds them."""
+    return format_bytes(step_bytes + streamed_bytes)
+
+
+def format_room(budget_bytes: int) -> str:
+    """What a device budget leaves a step beside what training holds: bytes, or none and how
+    many short (the frozen weights must then leave the device)."""
+    return format_bytes(budget_bytes) if budget_bytes >= 0 else f"nothing ({format_bytes(-budget_bytes)} short)"
+
+
 def format_bytes(n: float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB"):

@@ -37,7 +37,7 @@ from lightning_tbp.memory.homes import loaded_device
 from lightning_tbp.memory.libraries import warm_library_workspaces
 from lightning_tbp.memory.meters import refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
-from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, parse_budget
+from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, format_room, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
 from lightning_tbp.remat.calibrate_blocks import BlockInputs, Calibration, calibrate
 from lightning_tbp.remat.fsdp_gathers import is_dtensor_class, root_left_as_found
@@ -519,9 +519,10 @@ class Plan:
         may = "offload blocks' saved activations to host memory"
         if any(profile.solver.sim.facts.block_weights):  # frozen weights a plan may stream (a LoRA's base)
             may += " and stream their frozen weights from it"
+        room = format_room(solved.budget_bytes - shift)
         self._host_tier_action = (
-            f"the host tier (host_tier='auto'): the step's budget {format_bytes(solved.budget_bytes - shift)} is "
-            f"below the device-only minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",
+            f"the host tier (host_tier='auto'): what the budget leaves the step, {room}, is below the device-only "
+            f"minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",
         )
         log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
         return solved

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from lightning_tbp.remat.budget import MemoryBudget, format_bytes
+from lightning_tbp.remat.budget import MemoryBudget, format_bytes, format_room
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.shape_plan import BlockDecision, ShapePlan, describe_held, describe_loss
 from lightning_tbp.remat.step import PLAIN_LOOP
@@ -24,10 +24,15 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
         )
     budget_line = (
         f"device budget {budget.describe()} less {describe_held(sp.held)} held outside the step leaves "
-        f"{format_bytes(sp.budget_bytes)} for the step; "
+        f"{format_room(sp.budget_bytes)} for the step; "
         if sp.held is not None and budget.kind == "bytes"
-        else f"budget {format_bytes(sp.budget_bytes)} ({budget.describe()}); "
+        else f"budget {format_room(sp.budget_bytes)} ({budget.describe()}); "
     )
+    if sp.streamed_bytes:
+        budget_line += (
+            f"with {format_bytes(sp.streamed_bytes)} of frozen weights streamed from the host, "
+            f"{sp.level(sp.budget_bytes)} above what stays on the device; "
+        )
     step = "" if sp.step == "plain" else f" (the step simulated: {sp.step})"
     loop = "" if sp.loop == PLAIN_LOOP else f"\nthe training loop modelled: {sp.loop.describe()}"
     if sp.alongside.total:
@@ -39,8 +44,8 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
     lines.append("-" * len(header))
     lines += [_describe_calls(path, calls) for path, calls in call_summaries(sp).items()]
     lines += [
-        budget_line + f"predicted peak {format_bytes(sp.predicted_peak_bytes)} = "
-        f"{sp.predicted_peak_bytes / sp.naive.peak_bytes:.3f} of naive {format_bytes(sp.naive.peak_bytes)} "
+        budget_line + f"predicted peak {sp.level(sp.predicted_peak_bytes)} = "
+        f"{sp.ratio(sp.predicted_peak_bytes, sp.naive.peak_bytes):.3f} of naive {sp.level(sp.naive.peak_bytes)} "
         f"(parameter gradients {format_bytes(sp.parameter_grad_bytes)} included), at the {sp.peak_block}{step}{loop}",
         f"the prediction counts {describe_loss(sp.loss_bytes, sp.loss_measured)}"
         if sp.loss_bytes
@@ -60,7 +65,7 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
             uses.append(
                 f"{len(sp.streamed)} block(s) stream their frozen weights from it "
                 f"({format_bytes(sp.streamed_bytes)} off the device, copied in for each block's forward and "
-                "recompute; peaks are counted against the parameters as loaded, so they can fall below zero)"
+                "recompute; peaks here are above what stays on the device, the streamed weights on the host)"
             )
         lines.append(
             f"host tier: {'; '.join(uses)}; at most {format_bytes(sp.planned.host_peak_bytes)} there at once (host "
@@ -79,7 +84,7 @@ def format_report(budget: MemoryBudget, sp: ShapePlan) -> str:
             else f"at batch {sp.measured_batch_size} of up to {sp.batch_size}"
         )
         loss = "" if sp.measured_loss_bytes is None else f" (its loss {format_bytes(sp.measured_loss_bytes)})"
-        lines.append(f"measured peak {format_bytes(sp.measured_peak_bytes)} = {against}, {within} the budget{loss}")
+        lines.append(f"measured peak {sp.level(sp.measured_peak_bytes)} = {against}, {within} the budget{loss}")
     lines.append(
         f"recompute {sp.planned.recompute_flops / 1e9:.3f} GFLOP = {sp.recompute_flop_ratio:.3f} of a training "
         f"step's FLOPs; the plan adds about {sp.recompute_time_ratio:.3f} of the step's time (est.); profiled in "

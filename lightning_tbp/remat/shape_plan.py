@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_tbp.memory.held import HeldMemory
-from lightning_tbp.remat.budget import MemoryBudget, device_level_ratio, format_bytes
+from lightning_tbp.remat.budget import MemoryBudget, device_level_ratio, format_bytes, format_level, format_room
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.simulate import SimResult, Simulator
@@ -94,6 +94,10 @@ class ShapePlan:
     def streamed_bytes(self) -> int:
         """Bytes of the weights it streams: off the device, against the parameters as loaded."""
         return self.planned.streamed_bytes
+
+    def level(self, step_bytes: int) -> str:
+        """``step_bytes`` as the reports give them (:func:`format_level`)."""
+        return format_level(step_bytes, self.streamed_bytes)
 
     def ratio(self, measured_bytes: int, reference_bytes: int) -> float:
         """``measured_bytes`` over ``reference_bytes`` as device levels (:func:`device_level_ratio`)."""
@@ -245,7 +249,7 @@ def _explain(
         error.add_note(
             f"the budget {budget.describe()} is the device's total, and training holds {describe_held(held)} "
             f"outside the step, which leaves "
-            f"{format_bytes(budget_bytes) if budget_bytes >= 0 else f'nothing ({format_bytes(-budget_bytes)} short)'}"
+            f"{format_room(budget_bytes)}"
             "; a device budget of "
             f"{format_bytes(error.minimum_budget_bytes + held.total)} "
             f"({error.minimum_budget_bytes + held.total} bytes) or more fits"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from lightning_tbp.memory.meters import AllocatorPeak, allocator_peak, foreign_profiler_active, peak_apart_from
-from lightning_tbp.remat.budget import device_level_ratio, format_bytes
+from lightning_tbp.remat.budget import device_level_ratio, format_level
 from lightning_tbp.remat.replay import output_tensors
 from lightning_tbp.remat.signature import batch_size_of
 
@@ -158,8 +158,9 @@ class Verification:
     def describe(self) -> str:
         verdict = "within" if self.within_budget else "OVER"
         text = (
-            f"measured peak {format_bytes(self.measured_bytes)} vs predicted {format_bytes(self.predicted_bytes)} "
-            f"({self.ratio:.3f}x), {verdict} the budget {format_bytes(self.budget_bytes)}"
+            f"measured peak {format_level(self.measured_bytes, self.streamed_bytes)} vs predicted "
+            f"{format_level(self.predicted_bytes, self.streamed_bytes)} ({self.ratio:.3f}x), {verdict} the budget "
+            f"{format_level(self.budget_bytes, self.streamed_bytes)}"
         )
         if self.replanned:
             text += "; re-planned with the measurement folded in"

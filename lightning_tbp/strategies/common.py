@@ -661,24 +661,24 @@ class TinyBackpropMixin:
         self._loop_steps.append((step, shape_plan))
         ratio = shape_plan.ratio(step.peak_bytes, predicted)
         if step.index < self._watch_first or not within or abs(ratio - 1) > 0.05:
-            peaked = format_bytes(step.peak_bytes)
+            peaked = shape_plan.level(step.peak_bytes)
             if step.unseen_bytes:
                 peaked = (
-                    f"between {format_bytes(step.lowest_bytes)} and {peaked} (gloo's threads freed "
+                    f"between {shape_plan.level(step.lowest_bytes)} and {peaked} (gloo's threads freed "
                     f"{format_bytes(step.unseen_bytes)} where the CPU meter does not look)"
                 )
             rank_zero_info(
                 f"tiny_backprop: training step {step.index} (gradients at its forward: {step.case.value}) peaked at "
                 f"{peaked} above what training holds, {ratio:.3f}x the "
-                f"predicted {format_bytes(predicted)}, {'within' if within else 'OVER'} the budget "
-                f"{format_bytes(shape_plan.budget_bytes)} on rank 0"
+                f"predicted {shape_plan.level(predicted)}, {'within' if within else 'OVER'} the budget "
+                f"{shape_plan.level(shape_plan.budget_bytes)} on rank 0"
             )
         planning = step.planning_peak_bytes
         if planning is not None and planning > shape_plan.budget_bytes:
             rank_zero_warn(
                 f"tiny_backprop: planning at training step {step.index} (the profile and the op and block timings, "
-                f"once per input shape) peaked at {format_bytes(planning)} above what training holds, over the "
-                f"budget {format_bytes(shape_plan.budget_bytes)} its step keeps: a model this small spends more on "
+                f"once per input shape) peaked at {shape_plan.level(planning)} above what training holds, over the "
+                f"budget {shape_plan.level(shape_plan.budget_bytes)} its step keeps: a model this small spends more on "
                 "being measured than on its step. Give it a larger budget, or plan it once outside the loop "
                 "(lightning_tbp.rematerialize) and check it with plan.verify"
             )
@@ -748,7 +748,7 @@ class TinyBackpropMixin:
         predicted = checked.predicted_case_bytes(PriorGradients.RELEASED)
         if measured is not None:
             against = (
-                f"vs predicted {format_bytes(predicted)} ({checked.ratio(measured, predicted):.3f}x)"
+                f"vs predicted {checked.level(predicted)} ({checked.ratio(measured, predicted):.3f}x)"
                 if comparable
                 else f"at batch {checked.measured_batch_size} (planned for up to {checked.batch_size})"
             )
@@ -762,9 +762,9 @@ class TinyBackpropMixin:
                 else ""
             )
             rank_zero_info(
-                f"tiny_backprop: measured peak {format_bytes(measured)} (forward and backward) {against}, "
+                f"tiny_backprop: measured peak {checked.level(measured)} (forward and backward) {against}, "
                 f"{'within' if measured <= checked.budget_bytes else 'OVER'} the budget "
-                f"{format_bytes(checked.budget_bytes)} on rank 0{loss}{deferred}"
+                f"{checked.level(checked.budget_bytes)} on rank 0{loss}{deferred}"
             )
         if not self._defers_plan_checks():
             self._replan_if_over(checked, measured, predicted if comparable else None)

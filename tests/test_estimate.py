@@ -41,6 +41,7 @@ from lightning_tbp.estimate import (
 from lightning_tbp.optim import OptimizerInBackward
 from lightning_tbp.optim.host_state import HostOptimizerState
 from lightning_tbp.privacy import attach
+from lightning_tbp.remat.budget import parse_budget
 from lightning_tbp.strategies.privacy import PrivacyConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -704,3 +705,32 @@ def test_the_estimate_follows_the_configs_accelerator_unless_told() -> None:
     assert estimate_config(["-c", config], minimum=False).device == "cpu"  # the config says cpu
     assert estimate_config(["-c", config, "--trainer.accelerator=auto"], minimum=False).device == "cuda"
     assert estimate_config(["-c", config], device="cuda", minimum=False).device == "cuda"
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        (["--trainer.strategy.init_args.verify_every_n_steps=7"], "TinyBackpropStrategy"),
+        (["--trainer.strategy=tiny_backprop_fsdp2", "--trainer.devices=2"], "TinyBackpropFSDP2Strategy"),
+        (["--trainer.strategy=ddp", "--trainer.devices=2"], "TinyBackpropDDPStrategy"),
+    ],
+    ids=["config-class", "fsdp2-by-name", "plain-ddp"],
+)
+def test_the_arguments_it_suggests_train_the_config_with_that_budget(given: list[str], expected: str) -> None:
+    """ "train with ..." as given, appended to the command estimated, is a command LightningCLI
+    takes: the tiny_backprop strategy of the layout, at the budget, the config's other strategy
+    options kept where its class was already that one (``--trainer.strategy=tiny_backprop
+    --trainer.strategy.memory_budget=N``, as it read before, was refused by the parser)."""
+    from lightning_tbp.lightning_cli import run_lightning_cli
+
+    args = ["-c", str(ROOT / "configs" / "ddpm_unet_tiny.yaml"), *given]
+    estimate = estimate_config(args, device_memory=64 << 20, minimum=False)
+    assert estimate.fit is not None and estimate.fit.fits_with_plan
+    line = next(line for line in format_estimate(estimate).splitlines() if "train with " in line)
+    suggested = line.split("train with ", 1)[1].split(";")[0].split()
+    cli = run_lightning_cli([*args, *suggested], run=False)
+    strategy = cli.trainer.strategy
+    assert type(strategy).__name__ == expected
+    assert strategy.memory_budget == parse_budget(64 << 20)
+    if expected == "TinyBackpropStrategy":
+        assert strategy.verify_every_n_steps == 7

@@ -24,6 +24,15 @@ from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.optim.host_state import fewest_covering
 from lightning_tbp.remat.step import PART_FACTORS, PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
+from lightning_tbp.strategies.distributed import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy
+from lightning_tbp.strategies.tiny_backprop import TinyBackpropStrategy
+
+#: The tiny_backprop strategy of each layout an estimate models.
+STRATEGY_OF_LAYOUT: dict[str, type[TinyBackpropMixin]] = {
+    "single": TinyBackpropStrategy,
+    "ddp": TinyBackpropDDPStrategy,
+    "fsdp2": TinyBackpropFSDP2Strategy,
+}
 
 
 class EstimateConfigError(ValueError):
@@ -55,6 +64,19 @@ def loop_cases(trainer: pl.Trainer) -> frozenset[PriorGradients]:
     return frozenset(cases)
 
 
+def budget_arguments(configured: object, strategy: object, layout: Layout) -> str:
+    """The LightningCLI arguments that train a config under the tiny_backprop strategy of its
+    layout, a budget to follow. ``configured``: the config's ``trainer.strategy`` as parsed;
+    ``strategy``: the one it made. Where the config already names that class with its options
+    (``class_path``), only the budget changes (``init_args``: naming the class again would reset
+    its other options to their defaults); a name (``tiny_backprop_fsdp2``, ``ddp``) is replaced
+    by the class."""
+    kind = STRATEGY_OF_LAYOUT[layout.kind]
+    if type(strategy) is kind and getattr(configured, "class_path", None) is not None:
+        return "--trainer.strategy.init_args.memory_budget="
+    return f"--trainer.strategy=lightning_tbp.{kind.__name__} --trainer.strategy.memory_budget="
+
+
 def device_of(accelerator: object) -> str:
     """The device an estimate models for a config's ``trainer.accelerator``: ``cpu`` for the CPU,
     else CUDA (``auto`` too: a config run where a GPU is trains on it)."""
@@ -72,6 +94,22 @@ def estimate_config(
 
     ``device``: the device modelled; by default the config's ``trainer.accelerator`` says
     (:func:`device_of`)."""
+    arguments: list[str] = []
+    estimate = _estimate_config(args, arguments, device, device_memory, minimum)
+    for each in (estimate, estimate.with_step_in_backward, estimate.with_host_tier):
+        if each is not None:
+            each.budget_arguments = arguments[0]
+    return estimate
+
+
+def _estimate_config(
+    args: Sequence[str],
+    arguments: list[str],
+    device: str | DeviceModel | None,
+    device_memory: int | None,
+    minimum: bool,
+) -> StepEstimate:
+    """:func:`estimate_config`'s work; ``arguments`` gets the config's :func:`budget_arguments`."""
 
     def build() -> TrainingStep:
         cli = run_lightning_cli(args, run=False)
@@ -91,6 +129,7 @@ def estimate_config(
             privacy=None if privacy is None else privacy.config,
         )
         step.layout = layout_of(trainer)
+        arguments.append(budget_arguments(cli.config.get("trainer", {}).get("strategy"), trainer.strategy, step.layout))
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)

@@ -89,7 +89,7 @@ def format_estimate(estimate: StepEstimate) -> str:
             f"  (lowest plan recomputes ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step at most)"
         )
     if estimate.fit is not None:
-        lines.append(_fit_line(estimate.fit))
+        lines.append(_fit_line(estimate.fit, estimate.budget_arguments))
     fused = estimate.with_step_in_backward
     if fused is not None:
         lines.append(
@@ -102,7 +102,7 @@ def format_estimate(estimate: StepEstimate) -> str:
             )
         )
         if fused.fit is not None:
-            lines.append("  " + _fit_line(fused.fit))
+            lines.append("  " + _fit_line(fused.fit, estimate.budget_arguments))
     hosted = estimate.with_host_tier
     if hosted is not None:
         inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
@@ -121,7 +121,7 @@ def format_estimate(estimate: StepEstimate) -> str:
         if hosted.host_state_bytes:
             lines.append(_host_state_line(hosted))
         if hosted.fit is not None:
-            lines.append("  " + _fit_line(hosted.fit))
+            lines.append("  " + _fit_line(hosted.fit, estimate.budget_arguments))
     if estimate.unmeasured_workspace_ops:
         lines.append(
             f"  ({estimate.unmeasured_workspace_ops} ops too large to run on this machine: their kernels' temporaries "
@@ -156,7 +156,7 @@ def _host_state_line(estimate: StepEstimate) -> str:
     )
 
 
-def _fit_line(fit: PlanFit) -> str:
+def _fit_line(fit: PlanFit, budget_arguments: str) -> str:
     size = format_bytes(fit.device_memory_bytes)
     if fit.fits_without_plan:
         return f"fits in {size} without a plan"
@@ -164,8 +164,7 @@ def _fit_line(fit: PlanFit) -> str:
         return (
             f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "
             f"{fit.planned_blocks} blocks planned, ~{fit.recompute_time_ratio:.0%} extra step time "
-            f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with "
-            f"--trainer.strategy=tiny_backprop --trainer.strategy.memory_budget={fit.device_memory_bytes}"
+            f"({fit.recompute_flop_ratio:.0%} extra FLOPs); train with {budget_arguments}{fit.device_memory_bytes}"
             + (f"; {format_bytes(fit.host_peak_bytes)} on the host tier" if fit.host_peak_bytes else "")
         )
     return f"does not fit in {size}: {fit.reason}"

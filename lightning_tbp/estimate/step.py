@@ -169,6 +169,9 @@ class StepEstimate:
     host_master_dtype: str | None = None  # the masters' dtype where wider than the weights' (``fp32_master_weights``)
     host_parameters: tuple[int, int] | None = None  # (hosted, trainable) where only part of the state is there
     step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
+    # the LightningCLI arguments that train the step under a tiny_backprop strategy, a budget in
+    # bytes to follow (``estimate.config.budget_arguments``; a config's estimate sets them)
+    budget_arguments: str = "--trainer.strategy=lightning_tbp.TinyBackpropStrategy --trainer.strategy.memory_budget="
     # the device's optimizer state per trainable parameter of the target, by name (what hosting
     # a part takes off the device; not in the JSON)
     state_bytes_by_parameter: dict[str, int] = field(default_factory=dict)

@@ -137,6 +137,12 @@ def conv_explicit_padding(module: torch.nn.Module) -> tuple[int, ...]:
     return tuple(cast(Any, module)._reversed_padding_repeated_twice)
 
 
+def fake_mode_active() -> bool:
+    """Whether tensors made now are fake (``tbp estimate``'s ``FakeTensorMode`` is on): a model's
+    weights cannot be read from a file then, only its shapes made."""
+    return isinstance(torch.empty(()), FakeTensor)
+
+
 @contextlib.contextmanager
 def fake_module_support() -> Iterator[None]:
     """Let fake modules (``tbp estimate``) be converted with ``Module.to(dtype)`` and deep-copied.

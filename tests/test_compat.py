@@ -93,8 +93,11 @@ def test_conv_layers_run_with_a_given_weight_and_report_their_explicit_padding()
 def test_fake_tensors_have_storages_and_fake_modules_convert_dtype_and_deep_copy() -> None:
     """``tbp estimate`` relies on fake tensors' storages (views share one) and, inside
     ``fake_module_support``, on ``Module.to(dtype)`` keeping each fake parameter's identity and
-    on ``copy.deepcopy`` of a fake module (an EMA copy) giving new storages in the same mode."""
+    on ``copy.deepcopy`` of a fake module (an EMA copy) giving new storages in the same mode;
+    ``fake_mode_active`` tells a model loader it is inside one."""
+    assert not compat.fake_mode_active()
     with compat.FakeTensorMode():
+        assert compat.fake_mode_active()
         layer = nn.Linear(3, 3)
         weight = layer.weight
         assert isinstance(weight, compat.FakeTensor)

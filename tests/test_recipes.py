@@ -7,7 +7,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from diffusers import DDPMPipeline, DiTTransformer2DModel, UNet2DModel
+from diffusers import DDPMPipeline, DiTTransformer2DModel, SD3Transformer2DModel, UNet2DModel
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from PIL import Image
@@ -16,6 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule, load_lora
 from lightning_tbp.diffusion.models import build_model
 from lightning_tbp.lightning_cli import run_lightning_cli
+from lightning_tbp.testing.zoo_models import ZOO
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TINY_UNET = {
@@ -61,19 +62,34 @@ def pretrained_unet(tmp_path_factory) -> Path:
     return directory
 
 
-def config_overrides(name: str, image_folder: Path, pretrained_unet: Path) -> list[str]:
+@pytest.fixture(scope="module")
+def sd3_files(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny SD3 transformer's folder and a file of latents and text embeddings for it."""
+    root = tmp_path_factory.mktemp("sd3")
+    torch.manual_seed(0)
+    ZOO["sd3"].build().save_pretrained(root / "transformer")
+    generator = torch.Generator().manual_seed(0)
+    rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
+    torch.save({key: torch.randn(12, *shape, generator=generator) for key, shape in rows.items()}, root / "latents.pt")
+    return root / "transformer", root / "latents.pt"
+
+
+def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, sd3_files: tuple[Path, Path]) -> list[str]:
     """Shrink each recipe to a tiny model on tiny data; everything else stays as in the YAML."""
     text = (CONFIGS / name).read_text()
-    image_data = "ImageFolderDataModule" in text
+    image_data, latents = "ImageFolderDataModule" in text, "LatentsDataModule" in text
     channels = 3 if image_data else 1
     args = []
-    if image_data:
+    if latents:
+        args += [f"--data.init_args.path={sd3_files[1]}", "--data.init_args.batch_size=4"]
+        args += ["--data.init_args.val_fraction=0.25", "--model.init_args.sample_images=0"]
+    elif image_data:
         args += [f"--data.init_args.root={image_folder}", "--data.init_args.image_size=32"]
         args += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.val_fraction=0.2"]
     else:
         args += ["--data.init_args.batch_size=4"]
     if "pretrained:" in text:
-        args.append(f"--model.init_args.pretrained={pretrained_unet}")
+        args.append(f"--model.init_args.pretrained={sd3_files[0] if latents else pretrained_unet}")
     elif "family: dit" in text:
         args.append(f"--model.init_args.model_config={json.dumps(tiny_dit_config(channels, 3 if image_data else 10))}")
     else:
@@ -85,7 +101,9 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path) -> li
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, pretrained_unet, tmp_path) -> None:
+def test_every_config_runs_with_the_strategy_and_callback(
+    config, image_folder, pretrained_unet, sd3_files, tmp_path
+) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += [
@@ -93,14 +111,17 @@ def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, 
         "--model.init_args.sample_images=4",
         "--model.init_args.sample_steps=2",
     ]
-    args += config_overrides(config, image_folder, pretrained_unet)
+    args += config_overrides(config, image_folder, pretrained_unet, sd3_files)
     cli = run_lightning_cli(args)
     module = cli.model
     assert cli.trainer.global_step == 1 and cli.trainer.strategy.plan.shape_plans  # planned (perhaps re-planned)
-    assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
+    if module.hparams.sample_images:  # none for latents
+        assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
     assert module.flops_per_batch > 0
     assert any(isinstance(c, Callback) and type(c).__name__ == "MemoryProfilerCallback" for c in cli.trainer.callbacks)
-    if module.lora is not None:
+    if module.family.name == "sd3":
+        load_lora(SD3Transformer2DModel.from_pretrained(sd3_files[0]), module.exported_to)
+    elif module.lora is not None:
         load_lora(UNet2DModel.from_pretrained(pretrained_unet), module.exported_to)
     elif module.family.name == "unet2d":
         pipeline = DDPMPipeline.from_pretrained(module.exported_to)
@@ -111,13 +132,13 @@ def test_every_config_runs_with_the_strategy_and_callback(config, image_folder, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, tmp_path) -> None:
+def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, sd3_files, tmp_path) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += ["--trainer.precision=32", "--model.init_args.sample_images=0"]
     args += ["--trainer.strategy=lightning_tbp.TinyBackpropStrategy", "--trainer.strategy.memory_budget=0.95"]
     args += ["--trainer.strategy.dp=ghost", "--trainer.strategy.noise_multiplier=1.0"]
-    args += config_overrides(config, image_folder, pretrained_unet)
+    args += config_overrides(config, image_folder, pretrained_unet, sd3_files)
     cli = run_lightning_cli(args)
     privacy = cli.trainer.strategy.privacy
     assert cli.trainer.global_step == 1 and privacy.accountant.steps == 1 and 0 < privacy.epsilon() < float("inf")
@@ -357,3 +378,75 @@ def test_a_video_vae_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_no
         VideoVAEFineTuneModule(vae_config=tiny_wan_vae_config(), pretrained=str(tmp_path / "pipeline"))
     with pytest.raises(ValueError, match="'decoder' or 'all'"):
         VideoVAEFineTuneModule(train="encoder")  # type: ignore[arg-type]
+
+
+def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(sd3_files, tmp_path) -> None:
+    """The ``sd3`` family's loss is rectified flow's: at noise level s the input is (1 - s) x + s n
+    and the target the velocity n - x, the timestep s times 1000; its sampler integrates a
+    velocity back to the data (a model that knows the data's velocity returns the data, under
+    SD3's shift of 3). A LoRA fit on ``LatentsDataModule`` under the strategy writes adapters a
+    fresh transformer loads, and a latent model refuses to draw image grids."""
+    from types import SimpleNamespace
+
+    from lightning_tbp import TinyBackpropStrategy
+    from lightning_tbp.diffusion import LatentsDataModule
+    from lightning_tbp.diffusion.sampling import sample
+
+    pretrained, latents = sd3_files
+    module = DiffusionModule(family="sd3", pretrained=str(pretrained), sample_images=0, export=False)
+    batch = {key: value[:3] for key, value in torch.load(latents).items()}
+    batch["images"] = batch.pop("latents")
+    torch.manual_seed(5)
+    loss = module.diffusion_loss(batch)
+    torch.manual_seed(5)
+    x = batch["images"]
+    noise = torch.randn_like(x)
+    s = torch.sigmoid(torch.randn(3))
+    noisy = (1 - s.view(-1, 1, 1, 1)) * x + s.view(-1, 1, 1, 1) * noise
+    with torch.no_grad():
+        prediction = module.model(
+            noisy,
+            encoder_hidden_states=batch["encoder_hidden_states"],
+            pooled_projections=batch["pooled_projections"],
+            timestep=s * 1000,
+        ).sample
+    torch.testing.assert_close(loss.detach(), (prediction - (noise - x)).square().mean(dim=(1, 2, 3)))
+
+    data = x[:2].clamp(-1, 1)
+
+    class KnowsTheFlow(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(()))
+
+        def forward(self, noisy, timestep, **conditioning):  # type: ignore[no-untyped-def]
+            level = (timestep / 1000).view(-1, 1, 1, 1)
+            return SimpleNamespace(sample=(noisy - data) / level)
+
+    conditioning = {key: batch[key][:2] for key in ("encoder_hidden_states", "pooled_projections")}
+    drawn = sample(KnowsTheFlow(), module.family, module.noise_scheduler, tuple(data.shape), conditioning, steps=8)
+    torch.testing.assert_close(drawn, data, atol=1e-4, rtol=0)
+
+    with pytest.raises(ValueError, match="set sample_images=0"):
+        DiffusionModule(family="sd3", pretrained=str(pretrained), sample_images=4)
+    with pytest.raises(ValueError, match="rectified flow"):
+        DiffusionModule(family="sd3", pretrained=str(pretrained), prediction_type="v_prediction", sample_images=0)
+
+    lora = DiffusionModule(family="sd3", pretrained=str(pretrained), lora_rank=4, sample_images=0, ema_decay=0.9)
+    data_module = LatentsDataModule(str(latents), batch_size=4, val_fraction=0.25)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        strategy=TinyBackpropStrategy(memory_budget=0.6),
+        default_root_dir=tmp_path,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=1,
+    )
+    trainer.fit(lora, data_module)
+    assert trainer.strategy.plan.current is not None
+    steps = trainer.strategy.loop_steps()
+    assert steps and all(step["peak_bytes"] <= step["budget_bytes"] for step in steps), steps
+    loaded = load_lora(SD3Transformer2DModel.from_pretrained(pretrained), lora.exported_to)
+    assert any("lora" in name for name, _ in loaded.named_parameters())

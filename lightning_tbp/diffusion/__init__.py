@@ -1,6 +1,6 @@
 """Diffusion training with diffusers models: the LightningModule, data modules, sampling."""
 
-from lightning_tbp.diffusion.data import DigitsDataModule, ImageFolderDataModule, images_in_batch
+from lightning_tbp.diffusion.data import DigitsDataModule, ImageFolderDataModule, LatentsDataModule, images_in_batch
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora, load_lora, save_lora
 from lightning_tbp.diffusion.models import FAMILIES, build_model, small_unet_config
 from lightning_tbp.diffusion.module import DiffusionModule
@@ -11,6 +11,7 @@ __all__ = [
     "DiffusionModule",
     "DigitsDataModule",
     "ImageFolderDataModule",
+    "LatentsDataModule",
     "LoraOptions",
     "add_lora",
     "build_model",

@@ -1,8 +1,10 @@
-"""Training images for the diffusion recipes: a local image folder, or digits that ship with scikit-learn.
+"""Training data for the diffusion recipes: a local image folder, digits that ship with
+scikit-learn, or a file of precomputed latents and text embeddings.
 
-Batches are dicts: ``images`` (float [B, C, S, S] in [-1, 1]), ``labels`` (long [B]) and, when
-the data carries precomputed conditioning (for ``UNet2DConditionModel``),
-``encoder_hidden_states`` ([B, T, D]).
+Batches are dicts: ``images`` (float [B, C, S, S]: pixels in [-1, 1], or latents), ``labels``
+(long [B]) and, when the data carries precomputed conditioning, its tensors
+(``encoder_hidden_states`` [B, T, D] for ``UNet2DConditionModel``; SD3's also
+``pooled_projections`` [B, P]).
 """
 
 from __future__ import annotations
@@ -132,6 +134,55 @@ class DigitsDataModule(_SplitDataModule):
     def _dataset(self) -> Dataset:
         images, labels = load_digits_images(self.image_size)
         return _DictDataset(images=images, labels=labels)
+
+
+class LatentsDataModule(_SplitDataModule):
+    """Precomputed latents and conditioning from one file, as latent-diffusion fine-tunes train
+    (the VAE and the text encoders run once, beforehand, not in every step).
+
+    Args:
+        path: a ``torch.save``'d dict of tensors with one row per sample: ``latents``
+            [N, C, S, S] as the model trains on them (the VAE's shift and scale applied), and the
+            conditioning the model's family takes (SD3: ``encoder_hidden_states`` [N, T, D],
+            ``pooled_projections`` [N, P]); ``labels`` [N] if any. It is memory-mapped, not read
+            whole.
+    """
+
+    def __init__(
+        self, path: str, batch_size: int = 8, val_fraction: float = 0.1, num_workers: int = 0, seed: int = 0
+    ) -> None:
+        super().__init__(batch_size, val_fraction, num_workers, seed)
+        self.path = path
+        self._tensors: dict[str, torch.Tensor] | None = None
+
+    def _load(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            if not Path(self.path).is_file():
+                raise FileNotFoundError(f"latents file {self.path!r} does not exist")
+            tensors = torch.load(self.path, map_location="cpu", weights_only=True, mmap=True)
+            if not isinstance(tensors, dict) or "latents" not in tensors:
+                raise ValueError(f"{self.path!r} must hold a dict of tensors with 'latents' [N, C, S, S]")
+            rows = {key: len(value) for key, value in tensors.items()}
+            if len(set(rows.values())) != 1:
+                raise ValueError(f"every tensor in {self.path!r} needs one row per sample; rows: {rows}")
+            self._tensors = tensors
+        return self._tensors
+
+    def _dataset(self) -> Dataset:
+        tensors = dict(self._load())
+        latents = tensors.pop("latents")
+        labels = tensors.pop("labels", torch.zeros(len(latents), dtype=torch.long))
+        return _DictDataset(images=latents, labels=labels, **tensors)
+
+    @override
+    def example_batch(self) -> dict[str, torch.Tensor]:
+        tensors = self._load()
+        batch = {
+            "images" if key == "latents" else key: torch.zeros(self.batch_size, *value.shape[1:], dtype=value.dtype)
+            for key, value in tensors.items()
+        }
+        batch.setdefault("labels", torch.zeros(self.batch_size, dtype=torch.long))
+        return batch
 
 
 class ImageFolder(Dataset):

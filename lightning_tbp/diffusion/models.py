@@ -12,19 +12,27 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
+from diffusers import DiTTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, UNet2DModel
 from torch import nn
+
+from lightning_tbp.compat import fake_mode_active
 
 
 @dataclass(frozen=True)
 class Family:
+    """``objective``: ``"ddpm"`` (a DDPM noise schedule, epsilon or v targets) or ``"flow"``
+    (rectified flow: the straight path from data to noise, its velocity the target, as SD3 and
+    Flux train); ``conditioning``: the batch keys its call needs besides the images."""
+
     name: str
     model_class: type[nn.Module]
     pipeline_subfolder: str
     call: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
+    objective: Literal["ddpm", "flow"] = "ddpm"
+    conditioning: tuple[str, ...] = ()
 
 
 def _call_unet(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -37,21 +45,43 @@ def _call_dit(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, ba
     return out[:, : noisy.shape[1]]  # a DiT that learns the variance too returns 2C channels
 
 
+def _conditioning(model: nn.Module, batch: dict[str, Any], keys: tuple[str, ...]) -> list[torch.Tensor]:
+    missing = [key for key in keys if key not in batch]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} needs precomputed conditioning: batches must carry {', '.join(map(repr, keys))} "
+            f"(missing {', '.join(map(repr, missing))}; ImageFolderDataModule(embeddings=...) and "
+            "LatentsDataModule provide them)"
+        )
+    return [batch[key] for key in keys]
+
+
 def _call_conditional_unet(
     model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]
 ) -> torch.Tensor:
-    if "encoder_hidden_states" not in batch:
-        raise ValueError(
-            "UNet2DConditionModel needs precomputed conditioning: batches must carry 'encoder_hidden_states' "
-            "(ImageFolderDataModule(embeddings=...) provides them)"
-        )
-    return model(noisy, timesteps, encoder_hidden_states=batch["encoder_hidden_states"]).sample
+    (states,) = _conditioning(model, batch, ("encoder_hidden_states",))
+    return model(noisy, timesteps, encoder_hidden_states=states).sample
+
+
+SD3_CONDITIONING = ("encoder_hidden_states", "pooled_projections")
+
+
+def _call_sd3(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    states, pooled = _conditioning(model, batch, SD3_CONDITIONING)
+    return model(noisy, encoder_hidden_states=states, pooled_projections=pooled, timestep=timesteps).sample
 
 
 FAMILIES = {
     "unet2d": Family("unet2d", UNet2DModel, "unet", _call_unet),
     "dit": Family("dit", DiTTransformer2DModel, "transformer", _call_dit),
-    "unet2d_condition": Family("unet2d_condition", UNet2DConditionModel, "unet", _call_conditional_unet),
+    "unet2d_condition": Family(
+        "unet2d_condition",
+        UNet2DConditionModel,
+        "unet",
+        _call_conditional_unet,
+        conditioning=("encoder_hidden_states",),
+    ),
+    "sd3": Family("sd3", SD3Transformer2DModel, "transformer", _call_sd3, "flow", SD3_CONDITIONING),
 }
 
 
@@ -81,7 +111,9 @@ def model_directory(path: str | os.PathLike[str], subfolder: str) -> Path:
 
 
 def build_model(family_name: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> nn.Module:
-    """A fresh model from ``config``, or the weights in the local directory ``pretrained``; in train mode."""
+    """A fresh model from ``config``, or the weights in the local directory ``pretrained``; in train
+    mode. Under ``tbp estimate``'s fake tensors the folder's config alone is read: the estimate
+    needs the weights' shapes, and their values cannot be loaded into fake tensors."""
     fam = family(family_name)
     if pretrained is None:
         return fam.model_class(**(config or {}))
@@ -93,6 +125,8 @@ def build_model(family_name: str, config: dict[str, Any] | None = None, pretrain
         raise ValueError(
             f"{directory} holds a {declared}, but model family {fam.name!r} trains {fam.model_class.__name__}"
         )
+    if fake_mode_active():
+        return fam.model_class.from_config(fam.model_class.load_config(directory)).train()
     try:
         model = fam.model_class.from_pretrained(directory, local_files_only=True)
     except (OSError, ValueError, json.JSONDecodeError) as error:

@@ -1,10 +1,12 @@
-"""``DiffusionModule``: denoising diffusion training of a diffusers U-Net or DiT with Lightning.
+"""``DiffusionModule``: denoising diffusion training of a diffusers U-Net or transformer with Lightning.
 
-One module for the three families (``unet2d`` DDPM, class-conditional ``dit``, and
-``unet2d_condition`` on precomputed conditioning). It trains epsilon or v-prediction with a
-DDPM noise schedule, keeps optional EMA weights, samples an image grid after each validation,
-reports FLOPs per batch for Lightning's ``ThroughputMonitor``, and at the end of ``fit`` writes
-the (EMA) model with ``save_pretrained`` so a diffusers pipeline loads it.
+One module for the four families (``unet2d`` DDPM, class-conditional ``dit``,
+``unet2d_condition`` on precomputed conditioning, and ``sd3``, SD3's MMDiT on precomputed
+latents and text embeddings). It trains epsilon or v-prediction with a DDPM noise schedule, or
+for ``sd3`` rectified flow (the velocity from data to noise), keeps optional EMA weights,
+samples an image grid after each validation (of images, not latents), reports FLOPs per batch
+for Lightning's ``ThroughputMonitor``, and at the end of ``fit`` writes the (EMA) model with
+``save_pretrained`` so a diffusers pipeline loads it.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from typing import Any, Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
-from diffusers import DDPMPipeline, DDPMScheduler
+from diffusers import DDPMPipeline, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
+from lightning_tbp.compat import unset_fake_temporarily
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora, lora_options, save_lora
 from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
@@ -49,13 +52,19 @@ class DiffusionModule(L.LightningModule):
     """Train a diffusers denoiser on batches of ``{"images", "labels", ["encoder_hidden_states"]}``.
 
     Args:
-        family: ``"unet2d"`` (``UNet2DModel``), ``"dit"`` (``DiTTransformer2DModel``, class labels)
-            or ``"unet2d_condition"`` (``UNet2DConditionModel``, ``encoder_hidden_states``).
+        family: ``"unet2d"`` (``UNet2DModel``), ``"dit"`` (``DiTTransformer2DModel``, class labels),
+            ``"unet2d_condition"`` (``UNet2DConditionModel``, ``encoder_hidden_states``) or ``"sd3"``
+            (``SD3Transformer2DModel``, ``encoder_hidden_states`` and ``pooled_projections``,
+            trained by rectified flow; its data are usually VAE latents, ``LatentsDataModule``).
         model_config: keyword arguments of the model class (a fresh model).
         pretrained: a local diffusers model folder, or a pipeline folder whose ``unet`` /
             ``transformer`` subfolder holds it (fine-tuning). Exclusive with ``model_config``.
-        prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"``.
-        num_train_timesteps, beta_schedule: the DDPM noise schedule.
+        prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"`` (DDPM families;
+            a flow family predicts the velocity).
+        num_train_timesteps, beta_schedule: the DDPM noise schedule (a flow family's timesteps
+            are its noise levels times ``num_train_timesteps``).
+        flow_shift: a flow family's timestep shift (SD3 trains and samples at 3.0: more steps at
+            high noise); its training noise levels are drawn logit-normal, as SD3's paper does.
         lr, weight_decay, lr_warmup_steps: the optimizer's, with a linear warm-up.
         optimizer: ``"adamw"``; ``"adamw8bit"``/``"adamw4bit"`` (torchao's low-bit state, about
             a quarter/eighth of AdamW's for large tensors; changes the numerics: your choice,
@@ -81,12 +90,13 @@ class DiffusionModule(L.LightningModule):
 
     def __init__(
         self,
-        family: Literal["unet2d", "dit", "unet2d_condition"] = "unet2d",
+        family: Literal["unet2d", "dit", "unet2d_condition", "sd3"] = "unet2d",
         model_config: dict[str, Any] | None = None,
         pretrained: str | None = None,
         prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
         num_train_timesteps: int = 1000,
         beta_schedule: str = "linear",
+        flow_shift: float = 3.0,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         optimizer: OptimizerName = "adamw",
@@ -112,6 +122,10 @@ class DiffusionModule(L.LightningModule):
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.family = family_spec(family)
+        if self.family.objective == "flow" and prediction_type != "epsilon":
+            raise ValueError(
+                f"family {family!r} trains by rectified flow (it predicts the velocity): no prediction_type"
+            )
         self.model = build_model(family, model_config, pretrained)
         self.lora: LoraOptions | None = None
         if base_quantization is not None:
@@ -131,9 +145,23 @@ class DiffusionModule(L.LightningModule):
             )
         elif lora_alpha is not None or lora_target_modules is not None or lora_dropout:
             raise ValueError("lora_alpha, lora_target_modules and lora_dropout need lora_rank")
-        self.noise_scheduler = DDPMScheduler(
-            num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
-        )
+        if sample_images > 0 and sample_input_channels(self.model) not in (1, 3):
+            raise ValueError(
+                f"sample_images={sample_images}, but the model takes {sample_input_channels(self.model)} channels: "
+                "latents, which a grid cannot show without their VAE; set sample_images=0"
+            )
+        self.noise_scheduler: DDPMScheduler | FlowMatchEulerDiscreteScheduler
+        if self.family.objective == "flow":
+            # its constructor reads its sigmas' values, which tbp estimate's fake tensors do not
+            # have; the flow loss uses its config alone
+            with unset_fake_temporarily():
+                self.noise_scheduler = FlowMatchEulerDiscreteScheduler(
+                    num_train_timesteps=num_train_timesteps, shift=flow_shift
+                )
+        else:
+            self.noise_scheduler = DDPMScheduler(
+                num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
+            )
         self.ema: AveragedModel | None = None
         if ema_decay is not None:
             # Copied now, before a tiny_backprop plan wraps the model's blocks at the first batch;
@@ -153,6 +181,8 @@ class DiffusionModule(L.LightningModule):
         """Per-sample denoising loss, shape [B]: the mean squared error of each sample's prediction."""
         images = batch["images"]
         noise = torch.randn_like(images)
+        if self.family.objective == "flow":
+            return self._flow_loss(images, noise, batch)
         timesteps = torch.randint(
             0, self.noise_scheduler.config.num_train_timesteps, (images.shape[0],), device=images.device
         )
@@ -163,6 +193,18 @@ class DiffusionModule(L.LightningModule):
             target = self.noise_scheduler.get_velocity(images, noise, timesteps)
         prediction = self.family.call(self.model, noisy, timesteps, batch).float()
         squared_error = F.mse_loss(prediction, target.float(), reduction="none")
+        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+
+    def _flow_loss(self, images: torch.Tensor, noise: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+        """Rectified flow: the sample at noise level s is (1 - s) x + s n, the model predicts its
+        velocity n - x; s is drawn logit-normal (SD3's choice: the middle levels, where the
+        prediction is hardest, most often)."""
+        sigmas = torch.sigmoid(torch.randn(images.shape[0], device=images.device))
+        shaped = sigmas.view(-1, *([1] * (images.dim() - 1))).to(images.dtype)
+        noisy = (1 - shaped) * images + shaped * noise
+        timesteps = sigmas * self.noise_scheduler.config.num_train_timesteps
+        prediction = self.family.call(self.model, noisy, timesteps, batch).float()
+        squared_error = F.mse_loss(prediction, (noise - images).float(), reduction="none")
         return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
 
     @override
@@ -286,12 +328,17 @@ class DiffusionModule(L.LightningModule):
             classes = int(self.model.config.num_embeds_ada_norm)
             labels = torch.arange(n, device=self.device) % classes
             return {"labels": labels}, {"labels": torch.full_like(labels, classes)}
-        if self.family.name == "unet2d_condition":
-            if self._sample_conditioning is None or "encoder_hidden_states" not in self._sample_conditioning:
-                raise RuntimeError("sampling UNet2DConditionModel needs conditioning: run a validation batch first")
-            states = self._sample_conditioning["encoder_hidden_states"]
-            states = states[torch.arange(n, device=states.device) % states.shape[0]]
-            return {"encoder_hidden_states": states}, {"encoder_hidden_states": torch.zeros_like(states)}
+        keys = self.family.conditioning
+        if keys:
+            stored = self._sample_conditioning or {}
+            if any(key not in stored for key in keys):
+                raise RuntimeError(
+                    f"sampling {self.family.model_class.__name__} needs conditioning: run a validation batch first"
+                )
+            picked = {
+                key: stored[key][torch.arange(n, device=stored[key].device) % stored[key].shape[0]] for key in keys
+            }
+            return picked, {key: torch.zeros_like(value) for key, value in picked.items()}
         return {}, None
 
     @override

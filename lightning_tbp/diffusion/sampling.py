@@ -1,4 +1,5 @@
-"""Sampling a trained denoiser with a DDIM (or DDPM) scheduler, and saving image grids."""
+"""Sampling a trained denoiser with a DDIM (or DDPM) scheduler, or a flow family's Euler steps,
+and saving image grids."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler
+from diffusers import DDIMScheduler, DDPMScheduler, FlowMatchEulerDiscreteScheduler
 from PIL import Image
 from torch import nn
 
@@ -20,7 +21,7 @@ from lightning_tbp.memory.homes import loaded_device
 def sample(
     model: nn.Module,
     fam: Family,
-    train_scheduler: DDPMScheduler,
+    train_scheduler: DDPMScheduler | FlowMatchEulerDiscreteScheduler,
     shape: tuple[int, int, int, int],
     conditioning: dict[str, Any],
     steps: int = 50,
@@ -33,18 +34,26 @@ def sample(
 
     With ``guidance_scale > 1`` and ``null_conditioning`` (the dropped-label or empty
     conditioning), each step mixes the conditional and unconditional predictions
-    (classifier-free guidance).
+    (classifier-free guidance). A flow family integrates its velocity from noise to data with
+    Euler steps (``FlowMatchEulerDiscreteScheduler``, its training shift); ``sampler`` is then
+    not used.
     """
     if sampler not in ("ddim", "ddpm"):
         raise ValueError(f"sampler must be 'ddim' or 'ddpm', got {sampler!r}")
-    scheduler = (DDIMScheduler if sampler == "ddim" else DDPMScheduler).from_config(
-        cast(Any, train_scheduler).config
-    )  # diffusers' ConfigMixin sets it
+    config = cast(Any, train_scheduler).config  # diffusers' ConfigMixin sets it
+    flow = fam.objective == "flow"
+    scheduler = (
+        FlowMatchEulerDiscreteScheduler if flow else DDIMScheduler if sampler == "ddim" else DDPMScheduler
+    ).from_config(config)
     scheduler.set_timesteps(steps)
     device = loaded_device(next(model.parameters()))  # streamed weights sit on the host
     x = torch.randn(shape, generator=generator, device="cpu").to(device)
     for t in scheduler.timesteps:
-        timesteps = torch.full((shape[0],), int(t), device=device, dtype=torch.long)
+        timesteps = (
+            torch.full((shape[0],), float(t), device=device)
+            if flow
+            else torch.full((shape[0],), int(t), device=device, dtype=torch.long)
+        )
         prediction = fam.call(model, x, timesteps, conditioning)
         if guidance_scale != 1.0 and null_conditioning is not None:
             unconditional = fam.call(model, x, timesteps, null_conditioning)

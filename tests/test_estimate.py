@@ -736,32 +736,37 @@ def test_the_arguments_it_suggests_train_the_config_with_that_budget(given: list
         assert strategy.verify_every_n_steps == 7
 
 
-@pytest.mark.parametrize("config", ["finetune_lora.yaml", "finetune_sd3_lora.yaml"])
+@pytest.mark.parametrize("config", ["finetune_lora.yaml", "finetune_sd3_lora.yaml", "finetune_flux_lora.yaml"])
 def test_a_fine_tune_from_local_weights_is_estimated_from_their_config(config: str, tmp_path: Path) -> None:
     """``tbp estimate`` on the fine-tuning configs: under fake tensors the weights' folder gives
     its config and the model is made from it (their values cannot be loaded into fake tensors:
     every config with ``pretrained`` failed with "Unable to load weights"), so the estimate
     counts the same parameters the loaded model has; SD3's flow scheduler, whose constructor
     reads its sigmas, is made on real tensors."""
-    from diffusers import SD3Transformer2DModel, UNet2DModel
+    from diffusers import FluxTransformer2DModel, UNet2DModel
     from PIL import Image
 
     torch.manual_seed(0)
-    if "sd3" in config:
+    if "flux" in config:  # FLUX.1-dev's kind, as the config's guidance_embedding says
+        flux = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
+        model = FluxTransformer2DModel(**{**flux, "guidance_embeds": True})
+    elif "sd3" in config:
         model = ZOO["sd3"].build()
-        rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
-        torch.save({key: torch.zeros(8, *shape) for key, shape in rows.items()}, tmp_path / "latents.pt")
-        data = [f"--data.init_args.path={tmp_path / 'latents.pt'}"]
     else:
         model = UNet2DModel(**small_unet_config(32, 3))
+    model.save_pretrained(tmp_path / "weights")
+    if isinstance(model, UNet2DModel):
         (tmp_path / "images" / "a").mkdir(parents=True)
         for index in range(4):
             Image.new("RGB", (32, 32)).save(tmp_path / "images" / "a" / f"{index}.png")
         data = [f"--data.init_args.root={tmp_path / 'images'}", "--data.init_args.image_size=32"]
-    model.save_pretrained(tmp_path / "weights")
+    else:
+        rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
+        torch.save({key: torch.zeros(8, *shape) for key, shape in rows.items()}, tmp_path / "latents.pt")
+        data = [f"--data.init_args.path={tmp_path / 'latents.pt'}"]
     args = ["-c", str(ROOT / "configs" / config), f"--model.init_args.pretrained={tmp_path / 'weights'}", *data]
     estimate = estimate_config([*args, "--trainer.accelerator=cpu", "--trainer.precision=32"], minimum=False)
-    loaded = (SD3Transformer2DModel if "sd3" in config else UNet2DModel).from_pretrained(tmp_path / "weights")
+    loaded = type(model).from_pretrained(tmp_path / "weights")
     weights = sum(t.numel() * t.element_size() for t in (*loaded.parameters(), *loaded.buffers()))
     assert 0 < estimate.trainable_parameters < sum(p.numel() for p in loaded.parameters()) / 5  # adapters
     assert estimate.parameter_bytes["model"] == pytest.approx(weights + 4 * estimate.trainable_parameters, rel=0.002)

@@ -63,25 +63,30 @@ def pretrained_unet(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sd3_files(tmp_path_factory) -> tuple[Path, Path]:
-    """A tiny SD3 transformer's folder and a file of latents and text embeddings for it."""
-    root = tmp_path_factory.mktemp("sd3")
+def latent_models(tmp_path_factory) -> dict[str, Path]:
+    """Tiny SD3 and Flux (with FLUX.1-dev's guidance input) transformers' folders, and a file of
+    latents and text embeddings both take."""
+    from diffusers import FluxTransformer2DModel
+
+    root = tmp_path_factory.mktemp("latent_models")
     torch.manual_seed(0)
-    ZOO["sd3"].build().save_pretrained(root / "transformer")
+    ZOO["sd3"].build().save_pretrained(root / "sd3")
+    flux = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
+    FluxTransformer2DModel(**{**flux, "guidance_embeds": True}).save_pretrained(root / "flux")
     generator = torch.Generator().manual_seed(0)
     rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
     torch.save({key: torch.randn(12, *shape, generator=generator) for key, shape in rows.items()}, root / "latents.pt")
-    return root / "transformer", root / "latents.pt"
+    return {"sd3": root / "sd3", "flux": root / "flux", "latents": root / "latents.pt"}
 
 
-def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, sd3_files: tuple[Path, Path]) -> list[str]:
+def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, latent_models: dict[str, Path]) -> list[str]:
     """Shrink each recipe to a tiny model on tiny data; everything else stays as in the YAML."""
     text = (CONFIGS / name).read_text()
     image_data, latents = "ImageFolderDataModule" in text, "LatentsDataModule" in text
     channels = 3 if image_data else 1
     args = []
     if latents:
-        args += [f"--data.init_args.path={sd3_files[1]}", "--data.init_args.batch_size=4"]
+        args += [f"--data.init_args.path={latent_models['latents']}", "--data.init_args.batch_size=4"]
         args += ["--data.init_args.val_fraction=0.25", "--model.init_args.sample_images=0"]
     elif image_data:
         args += [f"--data.init_args.root={image_folder}", "--data.init_args.image_size=32"]
@@ -89,7 +94,8 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, sd3_f
     else:
         args += ["--data.init_args.batch_size=4"]
     if "pretrained:" in text:
-        args.append(f"--model.init_args.pretrained={sd3_files[0] if latents else pretrained_unet}")
+        family = "flux" if "family: flux" in text else "sd3"
+        args.append(f"--model.init_args.pretrained={latent_models[family] if latents else pretrained_unet}")
     elif "family: dit" in text:
         args.append(f"--model.init_args.model_config={json.dumps(tiny_dit_config(channels, 3 if image_data else 10))}")
     else:
@@ -102,7 +108,7 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, sd3_f
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_config_runs_with_the_strategy_and_callback(
-    config, image_folder, pretrained_unet, sd3_files, tmp_path
+    config, image_folder, pretrained_unet, latent_models, tmp_path
 ) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
@@ -111,7 +117,7 @@ def test_every_config_runs_with_the_strategy_and_callback(
         "--model.init_args.sample_images=4",
         "--model.init_args.sample_steps=2",
     ]
-    args += config_overrides(config, image_folder, pretrained_unet, sd3_files)
+    args += config_overrides(config, image_folder, pretrained_unet, latent_models)
     cli = run_lightning_cli(args)
     module = cli.model
     assert cli.trainer.global_step == 1 and cli.trainer.strategy.plan.shape_plans  # planned (perhaps re-planned)
@@ -119,8 +125,8 @@ def test_every_config_runs_with_the_strategy_and_callback(
         assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
     assert module.flops_per_batch > 0
     assert any(isinstance(c, Callback) and type(c).__name__ == "MemoryProfilerCallback" for c in cli.trainer.callbacks)
-    if module.family.name == "sd3":
-        load_lora(SD3Transformer2DModel.from_pretrained(sd3_files[0]), module.exported_to)
+    if module.family.name in latent_models:
+        load_lora(module.family.model_class.from_pretrained(latent_models[module.family.name]), module.exported_to)
     elif module.lora is not None:
         load_lora(UNet2DModel.from_pretrained(pretrained_unet), module.exported_to)
     elif module.family.name == "unet2d":
@@ -132,13 +138,13 @@ def test_every_config_runs_with_the_strategy_and_callback(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, sd3_files, tmp_path) -> None:
+def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, latent_models, tmp_path) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += ["--trainer.precision=32", "--model.init_args.sample_images=0"]
     args += ["--trainer.strategy=lightning_tbp.TinyBackpropStrategy", "--trainer.strategy.memory_budget=0.95"]
     args += ["--trainer.strategy.dp=ghost", "--trainer.strategy.noise_multiplier=1.0"]
-    args += config_overrides(config, image_folder, pretrained_unet, sd3_files)
+    args += config_overrides(config, image_folder, pretrained_unet, latent_models)
     cli = run_lightning_cli(args)
     privacy = cli.trainer.strategy.privacy
     assert cli.trainer.global_step == 1 and privacy.accountant.steps == 1 and 0 < privacy.epsilon() < float("inf")
@@ -380,7 +386,19 @@ def test_a_video_vae_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_no
         VideoVAEFineTuneModule(train="encoder")  # type: ignore[arg-type]
 
 
-def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(sd3_files, tmp_path) -> None:
+def _flow_loss_and_its_draws(module: DiffusionModule, batch: dict) -> tuple[torch.Tensor, ...]:
+    """A flow family's loss on ``batch``, and the noise, noise levels and noisy input it drew
+    (the same seed replayed)."""
+    torch.manual_seed(5)
+    loss = module.diffusion_loss(batch)
+    torch.manual_seed(5)
+    x = batch["images"]
+    noise = torch.randn_like(x)
+    s = torch.sigmoid(torch.randn(len(x)))
+    return loss, noise, s, (1 - s.view(-1, 1, 1, 1)) * x + s.view(-1, 1, 1, 1) * noise
+
+
+def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(latent_models, tmp_path) -> None:
     """The ``sd3`` family's loss is rectified flow's: at noise level s the input is (1 - s) x + s n
     and the target the velocity n - x, the timestep s times 1000; its sampler integrates a
     velocity back to the data (a model that knows the data's velocity returns the data, under
@@ -392,17 +410,12 @@ def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(sd3_
     from lightning_tbp.diffusion import LatentsDataModule
     from lightning_tbp.diffusion.sampling import sample
 
-    pretrained, latents = sd3_files
+    pretrained, latents = latent_models["sd3"], latent_models["latents"]
     module = DiffusionModule(family="sd3", pretrained=str(pretrained), sample_images=0, export=False)
     batch = {key: value[:3] for key, value in torch.load(latents).items()}
     batch["images"] = batch.pop("latents")
-    torch.manual_seed(5)
-    loss = module.diffusion_loss(batch)
-    torch.manual_seed(5)
+    loss, noise, s, noisy = _flow_loss_and_its_draws(module, batch)
     x = batch["images"]
-    noise = torch.randn_like(x)
-    s = torch.sigmoid(torch.randn(3))
-    noisy = (1 - s.view(-1, 1, 1, 1)) * x + s.view(-1, 1, 1, 1) * noise
     with torch.no_grad():
         prediction = module.model(
             noisy,
@@ -449,4 +462,72 @@ def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(sd3_
     steps = trainer.strategy.loop_steps()
     assert steps and all(step["peak_bytes"] <= step["budget_bytes"] for step in steps), steps
     loaded = load_lora(SD3Transformer2DModel.from_pretrained(pretrained), lora.exported_to)
+    assert any("lora" in name for name, _ in loaded.named_parameters())
+
+
+def test_flux_packs_its_latents_as_its_pipeline_and_fine_tunes_by_rectified_flow(latent_models, tmp_path) -> None:
+    """The ``flux`` family packs latents in 2x2 patches as ``FluxPipeline`` does (and back), gives
+    the transformer its timestep as the noise level (Flux scales it by 1000 itself) and, for a
+    transformer with a guidance embedding, the module's ``guidance_embedding`` (refused without
+    it, by name); a LoRA fit on latents under the strategy holds its budget and writes adapters a
+    fresh transformer loads."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    from lightning_tbp import TinyBackpropStrategy
+    from lightning_tbp.diffusion import LatentsDataModule
+    from lightning_tbp.diffusion.models import pack_latents, unpack_latents
+
+    latents = torch.randn(2, 4, 8, 6)
+    packed = pack_latents(latents)
+    assert torch.equal(packed, FluxPipeline._pack_latents(latents, 2, 4, 8, 6))
+    assert torch.equal(unpack_latents(packed, 8, 6), latents)
+    assert torch.equal(FluxPipeline._unpack_latents(packed, 64, 48, 8), latents)
+
+    flux, latents_file = str(latent_models["flux"]), str(latent_models["latents"])
+    batch = {key: value[:2] for key, value in torch.load(latents_file).items()}
+    batch["images"] = batch.pop("latents")
+
+    unguided = DiffusionModule(family="flux", pretrained=flux, sample_images=0, export=False)
+    with pytest.raises(ValueError, match="set the module's guidance_embedding"):
+        unguided.diffusion_loss(batch)
+    module = DiffusionModule(family="flux", pretrained=flux, sample_images=0, export=False, guidance_embedding=3.5)
+    loss, noise, s, noisy = _flow_loss_and_its_draws(module, batch)
+    x = batch["images"]
+    ids = torch.stack(torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="ij"), -1).reshape(-1, 2)
+    with torch.no_grad():
+        velocity = module.model(
+            pack_latents(noisy),
+            encoder_hidden_states=batch["encoder_hidden_states"],
+            pooled_projections=batch["pooled_projections"],
+            timestep=s,
+            img_ids=torch.cat([torch.zeros(64, 1), ids], dim=1),
+            txt_ids=torch.zeros(12, 3),
+            guidance=torch.full((2,), 3.5),
+        ).sample
+    expected = (unpack_latents(velocity, 16, 16) - (noise - x)).square().mean(dim=(1, 2, 3))
+    torch.testing.assert_close(loss.detach(), expected)
+    with pytest.raises(ValueError, match="Flux transformer's input"):
+        DiffusionModule(model_config=tiny_unet_config(1), guidance_embedding=3.5)
+    ZOO["flux"].build().save_pretrained(tmp_path / "schnell")  # no guidance embedding
+    schnell = DiffusionModule(
+        family="flux", pretrained=str(tmp_path / "schnell"), sample_images=0, guidance_embedding=3.5
+    )
+    with pytest.raises(ValueError, match="unset guidance_embedding"):
+        schnell.diffusion_loss(batch)
+
+    lora = DiffusionModule(family="flux", pretrained=flux, lora_rank=4, sample_images=0, guidance_embedding=3.5)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=3,
+        strategy=TinyBackpropStrategy(memory_budget=0.6),
+        default_root_dir=tmp_path / "run",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        limit_val_batches=1,
+    )
+    trainer.fit(lora, LatentsDataModule(latents_file, batch_size=4, val_fraction=0.25))
+    steps = trainer.strategy.loop_steps()
+    assert steps and all(step["peak_bytes"] <= step["budget_bytes"] for step in steps), steps
+    loaded = load_lora(FluxTransformer2DModel.from_pretrained(flux), lora.exported_to)
     assert any("lora" in name for name, _ in loaded.named_parameters())

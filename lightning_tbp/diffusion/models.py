@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from diffusers import DiTTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel, UNet2DModel
+from diffusers import (
+    DiTTransformer2DModel,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    UNet2DConditionModel,
+    UNet2DModel,
+)
 from torch import nn
 
 from lightning_tbp.compat import fake_mode_active
@@ -71,6 +77,51 @@ def _call_sd3(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, ba
     return model(noisy, encoder_hidden_states=states, pooled_projections=pooled, timestep=timesteps).sample
 
 
+def pack_latents(latents: torch.Tensor) -> torch.Tensor:
+    """Flux's tokens: each 2x2 patch of a latent [B, C, S, S] as one [B, (S/2)^2, 4C] row."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), 4 * c)
+
+
+def unpack_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """:func:`pack_latents` undone."""
+    b, _, packed = tokens.shape
+    c = packed // 4
+    return tokens.view(b, height // 2, width // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, c, height, width)
+
+
+def _call_flux(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    states, pooled = _conditioning(model, batch, SD3_CONDITIONING)
+    height, width = noisy.shape[-2:]
+    if height % 2 or width % 2:
+        raise ValueError(
+            f"Flux packs its latents in 2x2 patches: their height and width must be even, got {height}x{width}"
+        )
+    image_ids = torch.zeros(height // 2, width // 2, 3, device=noisy.device)
+    image_ids[..., 1] = torch.arange(height // 2, device=noisy.device)[:, None]
+    image_ids[..., 2] = torch.arange(width // 2, device=noisy.device)[None, :]
+    guidance = batch.get("guidance")
+    if model.config.guidance_embeds and guidance is None:
+        raise ValueError(
+            "this Flux transformer embeds a guidance value (FLUX.1-dev's distillation): set the module's "
+            "guidance_embedding (diffusers' Flux LoRA script trains at 3.5)"
+        )
+    if guidance is not None and not model.config.guidance_embeds:
+        raise ValueError(
+            "this Flux transformer has no guidance embedding (FLUX.1-schnell's kind): unset guidance_embedding"
+        )
+    out = model(
+        pack_latents(noisy),
+        encoder_hidden_states=states,
+        pooled_projections=pooled,
+        timestep=timesteps / 1000,  # Flux scales its timestep by 1000 itself
+        img_ids=image_ids.reshape(-1, 3),
+        txt_ids=torch.zeros(states.shape[1], 3, device=noisy.device),
+        guidance=guidance,
+    ).sample
+    return unpack_latents(out, height, width)
+
+
 FAMILIES = {
     "unet2d": Family("unet2d", UNet2DModel, "unet", _call_unet),
     "dit": Family("dit", DiTTransformer2DModel, "transformer", _call_dit),
@@ -82,6 +133,7 @@ FAMILIES = {
         conditioning=("encoder_hidden_states",),
     ),
     "sd3": Family("sd3", SD3Transformer2DModel, "transformer", _call_sd3, "flow", SD3_CONDITIONING),
+    "flux": Family("flux", FluxTransformer2DModel, "transformer", _call_flux, "flow", SD3_CONDITIONING),
 }
 
 
@@ -137,10 +189,17 @@ def build_model(family_name: str, config: dict[str, Any] | None = None, pretrain
 
 
 def sample_input_channels(model: nn.Module) -> int:
-    return int(model.config.in_channels)
+    """The channels of what the model denoises (Flux's ``in_channels`` count packed 2x2 patches)."""
+    channels = int(model.config.in_channels)
+    return channels // 4 if isinstance(model, FluxTransformer2DModel) else channels
 
 
 def sample_size(model: nn.Module) -> int:
+    if isinstance(model, FluxTransformer2DModel):
+        raise ValueError(
+            "a Flux transformer has no fixed latent size to sample at: draw samples with diffusers' FluxPipeline "
+            "and the exported transformer"
+        )
     size = model.config.sample_size
     return int(size[0] if isinstance(size, (list, tuple)) else size)
 

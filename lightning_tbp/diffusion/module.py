@@ -1,9 +1,10 @@
 """``DiffusionModule``: denoising diffusion training of a diffusers U-Net or transformer with Lightning.
 
-One module for the four families (``unet2d`` DDPM, class-conditional ``dit``,
-``unet2d_condition`` on precomputed conditioning, and ``sd3``, SD3's MMDiT on precomputed
-latents and text embeddings). It trains epsilon or v-prediction with a DDPM noise schedule, or
-for ``sd3`` rectified flow (the velocity from data to noise), keeps optional EMA weights,
+One module for the five families (``unet2d`` DDPM, class-conditional ``dit``,
+``unet2d_condition`` on precomputed conditioning, and ``sd3`` and ``flux``, SD3's and Flux's
+transformers on precomputed latents and text embeddings). It trains epsilon or v-prediction with
+a DDPM noise schedule, or for ``sd3`` and ``flux`` rectified flow (the velocity from data to
+noise), keeps optional EMA weights,
 samples an image grid after each validation (of images, not latents), reports FLOPs per batch
 for Lightning's ``ThroughputMonitor``, and at the end of ``fit`` writes the (EMA) model with
 ``save_pretrained`` so a diffusers pipeline loads it.
@@ -53,9 +54,11 @@ class DiffusionModule(L.LightningModule):
 
     Args:
         family: ``"unet2d"`` (``UNet2DModel``), ``"dit"`` (``DiTTransformer2DModel``, class labels),
-            ``"unet2d_condition"`` (``UNet2DConditionModel``, ``encoder_hidden_states``) or ``"sd3"``
+            ``"unet2d_condition"`` (``UNet2DConditionModel``, ``encoder_hidden_states``), ``"sd3"``
             (``SD3Transformer2DModel``, ``encoder_hidden_states`` and ``pooled_projections``,
-            trained by rectified flow; its data are usually VAE latents, ``LatentsDataModule``).
+            trained by rectified flow; its data are usually VAE latents, ``LatentsDataModule``) or
+            ``"flux"`` (``FluxTransformer2DModel``, the same conditioning and objective; the
+            latents are packed in 2x2 patches and given position ids as FluxPipeline does).
         model_config: keyword arguments of the model class (a fresh model).
         pretrained: a local diffusers model folder, or a pipeline folder whose ``unet`` /
             ``transformer`` subfolder holds it (fine-tuning). Exclusive with ``model_config``.
@@ -63,6 +66,9 @@ class DiffusionModule(L.LightningModule):
             a flow family predicts the velocity).
         num_train_timesteps, beta_schedule: the DDPM noise schedule (a flow family's timesteps
             are its noise levels times ``num_train_timesteps``).
+        guidance_embedding: the value a Flux transformer with a guidance embedding (FLUX.1-dev)
+            is given in training (diffusers' Flux LoRA script: 3.5); required there, refused
+            elsewhere.
         flow_shift: a flow family's timestep shift (SD3 trains and samples at 3.0: more steps at
             high noise); its training noise levels are drawn logit-normal, as SD3's paper does.
         lr, weight_decay, lr_warmup_steps: the optimizer's, with a linear warm-up.
@@ -90,13 +96,14 @@ class DiffusionModule(L.LightningModule):
 
     def __init__(
         self,
-        family: Literal["unet2d", "dit", "unet2d_condition", "sd3"] = "unet2d",
+        family: Literal["unet2d", "dit", "unet2d_condition", "sd3", "flux"] = "unet2d",
         model_config: dict[str, Any] | None = None,
         pretrained: str | None = None,
         prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
         num_train_timesteps: int = 1000,
         beta_schedule: str = "linear",
         flow_shift: float = 3.0,
+        guidance_embedding: float | None = None,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
         optimizer: OptimizerName = "adamw",
@@ -126,6 +133,8 @@ class DiffusionModule(L.LightningModule):
             raise ValueError(
                 f"family {family!r} trains by rectified flow (it predicts the velocity): no prediction_type"
             )
+        if guidance_embedding is not None and family != "flux":
+            raise ValueError(f"guidance_embedding is a Flux transformer's input; family {family!r} has none")
         self.model = build_model(family, model_config, pretrained)
         self.lora: LoraOptions | None = None
         if base_quantization is not None:
@@ -199,6 +208,7 @@ class DiffusionModule(L.LightningModule):
         """Rectified flow: the sample at noise level s is (1 - s) x + s n, the model predicts its
         velocity n - x; s is drawn logit-normal (SD3's choice: the middle levels, where the
         prediction is hardest, most often)."""
+        batch = self._guided(batch)
         sigmas = torch.sigmoid(torch.randn(images.shape[0], device=images.device))
         shaped = sigmas.view(-1, *([1] * (images.dim() - 1))).to(images.dtype)
         noisy = (1 - shaped) * images + shaped * noise
@@ -247,11 +257,23 @@ class DiffusionModule(L.LightningModule):
         """What the EMA averages: the model, or under LoRA its adapters alone."""
         return self.model if self.lora is None else TrainableWeights(self.model)
 
+    def _guided(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` with the guidance value a Flux transformer embeds, where the module has one."""
+        if self.hparams.guidance_embedding is None:
+            return batch
+        images = batch["images"]
+        return {
+            **batch,
+            "guidance": torch.full((images.shape[0],), float(self.hparams.guidance_embedding), device=images.device),
+        }
+
     def _measure_flops(self, batch: dict[str, Any]) -> int:
         """Model FLOPs of one training step (forward + backward) on a meta-device copy: no memory, no time."""
         with torch.device("meta"):
             meta_model = self.family.model_class.from_config(self.model.config)
-            meta_batch = {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
+            meta_batch = self._guided(
+                {k: torch.empty_like(v, device="meta") for k, v in batch.items() if torch.is_tensor(v)}
+            )
             timesteps = torch.zeros(meta_batch["images"].shape[0], dtype=torch.long)
         return measure_flops(
             meta_model,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,7 @@ from lightning_tbp.testing.zoo_lightning import ZooModule
 from lightning_tbp.testing.zoo_models import HELD_OUT, ZOO
 
 TOLERANCE = 0.05
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _block() -> nn.Module:
@@ -194,6 +196,45 @@ def test_a_device_smaller_than_the_weights_trains_a_lora_with_them_streamed() ->
         assert abs(step["ratio"] - 1) <= TOLERANCE, step
     held = held_memory(module, [], torch.device("cpu"))
     assert held.parameters == parameters  # what training holds counts the weights where they were loaded
+
+
+def test_the_flux_lora_config_trains_on_a_device_smaller_than_its_weights(tmp_path) -> None:
+    """The user's command for the flagship case: ``tbp fit -c configs/finetune_flux_lora.yaml``
+    (DiffusionModule's Flux family, bf16 weights, FLUX.1-dev's guidance input, LoRA) on a tiny
+    Flux whose device budget is below its weights' bytes. The first try names the smallest
+    device; at a budget between it and the weights the strategy takes the host tier by itself,
+    streams the frozen blocks, and every metered step of the whole fit, the first included,
+    holds the budget and the prediction."""
+    from diffusers import FluxTransformer2DModel
+
+    from lightning_tbp.lightning_cli import run_lightning_cli
+
+    torch.manual_seed(0)
+    config = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
+    FluxTransformer2DModel(**{**config, "guidance_embeds": True}).save_pretrained(tmp_path / "flux")
+    generator = torch.Generator().manual_seed(0)
+    rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
+    torch.save({key: torch.randn(8, *shape, generator=generator) for key, shape in rows.items()}, tmp_path / "z.pt")
+    command = ["fit", "-c", str(ROOT / "configs" / "finetune_flux_lora.yaml"), "--trainer.accelerator=cpu"]
+    command += [f"--model.init_args.pretrained={tmp_path / 'flux'}", f"--data.init_args.path={tmp_path / 'z.pt'}"]
+    command += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0"]
+    command += [
+        "--data.init_args.val_fraction=0",
+        "--model.init_args.export=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    with pytest.raises(InfeasibleBudgetError) as error:
+        run_lightning_cli([*command, "--trainer.max_steps=1", "--trainer.strategy.memory_budget=1024"])
+    fits = error.value.minimum_device_bytes
+    cli = run_lightning_cli([*command, "--trainer.max_steps=4", f"--trainer.strategy.memory_budget={fits}"])
+    parameters = sum(p.numel() * p.element_size() for p in cli.model.parameters())
+    plan = cli.trainer.strategy.plan.current
+    assert fits < parameters and plan.streamed_bytes > 0 and "host_tier='auto'" in " ".join(plan.actions)
+    steps = cli.trainer.strategy.loop_steps()
+    assert [s["step"] for s in steps][:3] == [0, 1, 2]
+    for step in steps:
+        assert step["peak_bytes"] <= step["budget_bytes"], step
+        assert abs(step["ratio"] - 1) <= TOLERANCE, step
 
 
 def test_a_lora_trained_with_streamed_weights_ends_where_the_plain_run_does() -> None:

@@ -387,20 +387,21 @@ def test_a_video_vae_loads_from_its_folder_or_a_pipelines_and_refuses_what_is_no
 
 
 def _flow_loss_and_its_draws(module: DiffusionModule, batch: dict) -> tuple[torch.Tensor, ...]:
-    """A flow family's loss on ``batch``, and the noise, noise levels and noisy input it drew
-    (the same seed replayed)."""
+    """A flow family's loss on ``batch``, and the noise, noise levels (logit-normal, then shifted
+    as the scheduler shifts its table) and noisy input it drew (the same seed replayed)."""
     torch.manual_seed(5)
     loss = module.diffusion_loss(batch)
     torch.manual_seed(5)
     x = batch["images"]
     noise = torch.randn_like(x)
-    s = torch.sigmoid(torch.randn(len(x)))
+    drawn, shift = torch.sigmoid(torch.randn(len(x))), module.noise_scheduler.config.shift
+    s = shift * drawn / (1 + (shift - 1) * drawn)
     return loss, noise, s, (1 - s.view(-1, 1, 1, 1)) * x + s.view(-1, 1, 1, 1) * noise
 
 
 def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(latent_models, tmp_path) -> None:
-    """The ``sd3`` family's loss is rectified flow's: at noise level s the input is (1 - s) x + s n
-    and the target the velocity n - x, the timestep s times 1000; its sampler integrates a
+    """The ``sd3`` family's loss is rectified flow's: at noise level s (logit-normal, shifted by 3)
+    the input is (1 - s) x + s n and the target the velocity n - x, the timestep s times 1000; its sampler integrates a
     velocity back to the data (a model that knows the data's velocity returns the data, under
     SD3's shift of 3). A LoRA fit on ``LatentsDataModule`` under the strategy writes adapters a
     fresh transformer loads, and a latent model refuses to draw image grids."""
@@ -412,6 +413,7 @@ def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(late
 
     pretrained, latents = latent_models["sd3"], latent_models["latents"]
     module = DiffusionModule(family="sd3", pretrained=str(pretrained), sample_images=0, export=False)
+    assert module.noise_scheduler.config.shift == 3.0  # SD3's released scheduler's, as diffusers trains it
     batch = {key: value[:3] for key, value in torch.load(latents).items()}
     batch["images"] = batch.pop("latents")
     loss, noise, s, noisy = _flow_loss_and_its_draws(module, batch)
@@ -491,6 +493,7 @@ def test_flux_packs_its_latents_as_its_pipeline_and_fine_tunes_by_rectified_flow
     with pytest.raises(ValueError, match="set the module's guidance_embedding"):
         unguided.diffusion_loss(batch)
     module = DiffusionModule(family="flux", pretrained=flux, sample_images=0, export=False, guidance_embedding=3.5)
+    assert module.noise_scheduler.config.shift == 1.0  # diffusers' Flux script trains unshifted
     loss, noise, s, noisy = _flow_loss_and_its_draws(module, batch)
     x = batch["images"]
     ids = torch.stack(torch.meshgrid(torch.arange(8.0), torch.arange(8.0), indexing="ij"), -1).reshape(-1, 2)

@@ -31,7 +31,10 @@ from lightning_tbp.compat import fake_mode_active
 class Family:
     """``objective``: ``"ddpm"`` (a DDPM noise schedule, epsilon or v targets) or ``"flow"``
     (rectified flow: the straight path from data to noise, its velocity the target, as SD3 and
-    Flux train); ``conditioning``: the batch keys its call needs besides the images."""
+    Flux train); ``conditioning``: the batch keys its call needs besides the images;
+    ``flow_shift``: a flow family's usual shift of its noise levels (its released scheduler's,
+    where that shifts a fixed table: SD3's 3.0; Flux shifts by resolution at sampling and
+    trains unshifted in diffusers' script: 1.0)."""
 
     name: str
     model_class: type[nn.Module]
@@ -39,6 +42,7 @@ class Family:
     call: Callable[[nn.Module, torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
     objective: Literal["ddpm", "flow"] = "ddpm"
     conditioning: tuple[str, ...] = ()
+    flow_shift: float = 1.0
 
 
 def _call_unet(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
@@ -132,7 +136,7 @@ FAMILIES = {
         _call_conditional_unet,
         conditioning=("encoder_hidden_states",),
     ),
-    "sd3": Family("sd3", SD3Transformer2DModel, "transformer", _call_sd3, "flow", SD3_CONDITIONING),
+    "sd3": Family("sd3", SD3Transformer2DModel, "transformer", _call_sd3, "flow", SD3_CONDITIONING, 3.0),
     "flux": Family("flux", FluxTransformer2DModel, "transformer", _call_flux, "flow", SD3_CONDITIONING),
 }
 

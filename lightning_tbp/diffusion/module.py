@@ -69,8 +69,10 @@ class DiffusionModule(L.LightningModule):
         guidance_embedding: the value a Flux transformer with a guidance embedding (FLUX.1-dev)
             is given in training (diffusers' Flux LoRA script: 3.5); required there, refused
             elsewhere.
-        flow_shift: a flow family's timestep shift (SD3 trains and samples at 3.0: more steps at
-            high noise); its training noise levels are drawn logit-normal, as SD3's paper does.
+        flow_shift: a flow family's shift of its noise levels s -> shift*s / (1 + (shift-1)*s), in
+            training and sampling (None: the family's, SD3's 3.0 and Flux's 1.0, as diffusers'
+            training scripts take them from the released schedulers: more steps at high noise
+            where above 1). The levels are drawn logit-normal before the shift (SD3's paper).
         lr, weight_decay, lr_warmup_steps: the optimizer's, with a linear warm-up.
         optimizer: ``"adamw"``; ``"adamw8bit"``/``"adamw4bit"`` (torchao's low-bit state, about
             a quarter/eighth of AdamW's for large tensors; changes the numerics: your choice,
@@ -102,7 +104,7 @@ class DiffusionModule(L.LightningModule):
         prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
         num_train_timesteps: int = 1000,
         beta_schedule: str = "linear",
-        flow_shift: float = 3.0,
+        flow_shift: float | None = None,
         guidance_embedding: float | None = None,
         lr: float = 1e-4,
         weight_decay: float = 0.0,
@@ -163,9 +165,10 @@ class DiffusionModule(L.LightningModule):
         if self.family.objective == "flow":
             # its constructor reads its sigmas' values, which tbp estimate's fake tensors do not
             # have; the flow loss uses its config alone
+            shift = self.family.flow_shift if flow_shift is None else flow_shift
             with unset_fake_temporarily():
                 self.noise_scheduler = FlowMatchEulerDiscreteScheduler(
-                    num_train_timesteps=num_train_timesteps, shift=flow_shift
+                    num_train_timesteps=num_train_timesteps, shift=shift
                 )
         else:
             self.noise_scheduler = DDPMScheduler(
@@ -207,9 +210,11 @@ class DiffusionModule(L.LightningModule):
     def _flow_loss(self, images: torch.Tensor, noise: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
         """Rectified flow: the sample at noise level s is (1 - s) x + s n, the model predicts its
         velocity n - x; s is drawn logit-normal (SD3's choice: the middle levels, where the
-        prediction is hardest, most often)."""
+        prediction is hardest, most often), then shifted as the scheduler shifts its table."""
         batch = self._guided(batch)
-        sigmas = torch.sigmoid(torch.randn(images.shape[0], device=images.device))
+        shift = float(self.noise_scheduler.config.shift)
+        drawn = torch.sigmoid(torch.randn(images.shape[0], device=images.device))
+        sigmas = shift * drawn / (1 + (shift - 1) * drawn)
         shaped = sigmas.view(-1, *([1] * (images.dim() - 1))).to(images.dtype)
         noisy = (1 - shaped) * images + shaped * noise
         timesteps = sigmas * self.noise_scheduler.config.num_train_timesteps

@@ -304,6 +304,34 @@ def test_dit_and_conditional_unet_sample_grids(image_folder, tmp_path) -> None:
     assert (conditional.exported_to / "unet" / "config.json").is_file()
 
 
+def test_a_latents_file_is_read_by_rows_and_refused_by_name_where_it_is_not_one(tmp_path) -> None:
+    from lightning_tbp.diffusion import LatentsDataModule
+
+    rows = {"latents": torch.randn(5, 4, 8, 8), "pooled_projections": torch.randn(5, 32), "labels": torch.arange(5)}
+    torch.save(rows, tmp_path / "good.pt")
+    data = LatentsDataModule(str(tmp_path / "good.pt"), batch_size=2, val_fraction=0.2)
+    example = data.example_batch()
+    assert {key: tuple(value.shape) for key, value in example.items()} == {
+        "images": (2, 4, 8, 8),
+        "pooled_projections": (2, 32),
+        "labels": (2,),
+    }
+    data.setup()
+    batch = next(iter(data.train_dataloader()))
+    row = int(batch["labels"][0])  # each sample's tensors stay together
+    assert torch.equal(batch["images"][0], rows["latents"][row])
+    assert torch.equal(batch["pooled_projections"][0], rows["pooled_projections"][row])
+
+    with pytest.raises(FileNotFoundError, match=r"latents file .* does not exist"):
+        LatentsDataModule(str(tmp_path / "missing.pt")).setup()
+    torch.save({"images": torch.zeros(2, 4, 8, 8)}, tmp_path / "no_latents.pt")
+    with pytest.raises(ValueError, match="'latents'"):
+        LatentsDataModule(str(tmp_path / "no_latents.pt")).setup()
+    torch.save({"latents": torch.zeros(2, 4, 8, 8), "pooled_projections": torch.zeros(3, 32)}, tmp_path / "rows.pt")
+    with pytest.raises(ValueError, match="one row per sample"):
+        LatentsDataModule(str(tmp_path / "rows.pt")).setup()
+
+
 def test_clear_errors_for_bad_data_and_model_folders(image_folder, tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ImageFolderDataModule(str(tmp_path / "missing")).setup()

@@ -88,6 +88,7 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, laten
     if latents:
         args += [f"--data.init_args.path={latent_models['latents']}", "--data.init_args.batch_size=4"]
         args += ["--data.init_args.val_fraction=0.25", "--model.init_args.sample_images=0"]
+        args += ["--model.init_args.weights_dtype=null"]  # the DP flag's run is in float32
     elif image_data:
         args += [f"--data.init_args.root={image_folder}", "--data.init_args.image_size=32"]
         args += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.val_fraction=0.2"]
@@ -472,6 +473,8 @@ def test_sd3_trains_by_rectified_flow_on_latents_and_samples_along_the_flow(late
 
     with pytest.raises(ValueError, match="set sample_images=0"):
         DiffusionModule(family="sd3", pretrained=str(pretrained), sample_images=4)
+    halved = DiffusionModule(family="sd3", pretrained=str(pretrained), weights_dtype="bfloat16", sample_images=0)
+    assert {p.dtype for p in halved.model.parameters()} == {torch.bfloat16}  # loaded so, not converted later
     with pytest.raises(ValueError, match="rectified flow"):
         DiffusionModule(family="sd3", pretrained=str(pretrained), prediction_type="v_prediction", sample_images=0)
 

@@ -166,13 +166,23 @@ def model_directory(path: str | os.PathLike[str], subfolder: str) -> Path:
     )
 
 
-def build_model(family_name: str, config: dict[str, Any] | None = None, pretrained: str | None = None) -> nn.Module:
+WeightsDtype = Literal["float32", "bfloat16", "float16"]
+
+
+def build_model(
+    family_name: str,
+    config: dict[str, Any] | None = None,
+    pretrained: str | None = None,
+    dtype: WeightsDtype | None = None,
+) -> nn.Module:
     """A fresh model from ``config``, or the weights in the local directory ``pretrained``; in train
-    mode. Under ``tbp estimate``'s fake tensors the folder's config alone is read: the estimate
-    needs the weights' shapes, and their values cannot be loaded into fake tensors."""
+    mode, its weights in ``dtype`` (None: float32, as diffusers loads them). Under ``tbp
+    estimate``'s fake tensors the folder's config alone is read: the estimate needs the weights'
+    shapes, and their values cannot be loaded into fake tensors."""
     fam = family(family_name)
+    torch_dtype = None if dtype is None else getattr(torch, dtype)
     if pretrained is None:
-        return fam.model_class(**(config or {}))
+        return fam.model_class(**(config or {})).to(torch_dtype)
     if config:
         raise ValueError("give either model_config (a fresh model) or pretrained (local weights), not both")
     directory = model_directory(pretrained, fam.pipeline_subfolder)
@@ -182,9 +192,9 @@ def build_model(family_name: str, config: dict[str, Any] | None = None, pretrain
             f"{directory} holds a {declared}, but model family {fam.name!r} trains {fam.model_class.__name__}"
         )
     if fake_mode_active():
-        return fam.model_class.from_config(fam.model_class.load_config(directory)).train()
+        return fam.model_class.from_config(fam.model_class.load_config(directory)).to(torch_dtype).train()
     try:
-        model = fam.model_class.from_pretrained(directory, local_files_only=True)
+        model = fam.model_class.from_pretrained(directory, local_files_only=True, torch_dtype=torch_dtype)
     except (OSError, ValueError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot load {fam.model_class.__name__} from {directory}: {error}") from error
     # from_pretrained returns eval mode and Lightning keeps submodule modes: fine-tuning would

@@ -29,7 +29,7 @@ from typing_extensions import override
 
 from lightning_tbp.compat import unset_fake_temporarily
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora, lora_options, save_lora
-from lightning_tbp.diffusion.models import build_model, sample_input_channels, sample_size
+from lightning_tbp.diffusion.models import WeightsDtype, build_model, sample_input_channels, sample_size
 from lightning_tbp.diffusion.models import family as family_spec
 from lightning_tbp.diffusion.quantized_base import BaseQuantization, quantize_base
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
@@ -62,6 +62,10 @@ class DiffusionModule(L.LightningModule):
         model_config: keyword arguments of the model class (a fresh model).
         pretrained: a local diffusers model folder, or a pipeline folder whose ``unet`` /
             ``transformer`` subfolder holds it (fine-tuning). Exclusive with ``model_config``.
+        weights_dtype: the dtype the model is made or loaded in (None: float32). Under
+            ``precision="bf16-true"`` Lightning converts the weights only after they are loaded, so
+            ``"bfloat16"`` here halves the host memory the load takes (a Flux transformer's 12B
+            weights: 44 GiB in float32, 22 GiB in bfloat16).
         prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"`` (DDPM families;
             a flow family predicts the velocity).
         num_train_timesteps, beta_schedule: the DDPM noise schedule (a flow family's timesteps
@@ -101,6 +105,7 @@ class DiffusionModule(L.LightningModule):
         family: Literal["unet2d", "dit", "unet2d_condition", "sd3", "flux"] = "unet2d",
         model_config: dict[str, Any] | None = None,
         pretrained: str | None = None,
+        weights_dtype: WeightsDtype | None = None,
         prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
         num_train_timesteps: int = 1000,
         beta_schedule: str = "linear",
@@ -137,7 +142,7 @@ class DiffusionModule(L.LightningModule):
             )
         if guidance_embedding is not None and family != "flux":
             raise ValueError(f"guidance_embedding is a Flux transformer's input; family {family!r} has none")
-        self.model = build_model(family, model_config, pretrained)
+        self.model = build_model(family, model_config, pretrained, weights_dtype)
         self.lora: LoraOptions | None = None
         if base_quantization is not None:
             if lora_rank is None:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import lightning as L
 import torch
-from diffusers import DiTTransformer2DModel, UNet2DConditionModel, UNet2DModel
+from diffusers import DiTTransformer2DModel, FluxTransformer2DModel, UNet2DConditionModel, UNet2DModel
 from torch import nn
 
 from lightning_tbp.remat.pricing import price_by_flops
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.trace import Trace
+from lightning_tbp.testing.zoo_models import ZOO
 
 
 class ResidualMLPBlock(nn.Module):
@@ -228,3 +230,18 @@ class ChunkedGate(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = torch.nn.functional.silu(self.norm(self.proj(x))).chunk(2, dim=1)
         return x + a * b
+
+
+def tiny_flux_dev() -> nn.Module:
+    """The zoo's Flux transformer of FLUX.1-dev's kind: with its guidance embedding."""
+    config = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
+    return FluxTransformer2DModel(**{**config, "guidance_embeds": True})
+
+
+def write_latents(path: Path, samples: int) -> Path:
+    """A ``LatentsDataModule`` file both the zoo's SD3 and its Flux take: seeded latents
+    [N, 4, 16, 16], text embeddings [N, 12, 32] and pooled projections [N, 32]."""
+    generator = torch.Generator().manual_seed(0)
+    rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
+    torch.save({key: torch.randn(samples, *shape, generator=generator) for key, shape in rows.items()}, path)
+    return path

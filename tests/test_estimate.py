@@ -743,13 +743,13 @@ def test_a_fine_tune_from_local_weights_is_estimated_from_their_config(config: s
     every config with ``pretrained`` failed with "Unable to load weights"), so the estimate
     counts the same parameters the loaded model has; SD3's flow scheduler, whose constructor
     reads its sigmas, is made on real tensors."""
-    from diffusers import FluxTransformer2DModel, UNet2DModel
+    from diffusers import UNet2DModel
+    from models import tiny_flux_dev, write_latents
     from PIL import Image
 
     torch.manual_seed(0)
     if "flux" in config:  # FLUX.1-dev's kind, as the config's guidance_embedding says
-        flux = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
-        model = FluxTransformer2DModel(**{**flux, "guidance_embeds": True})
+        model = tiny_flux_dev()
     elif "sd3" in config:
         model = ZOO["sd3"].build()
     else:
@@ -761,9 +761,7 @@ def test_a_fine_tune_from_local_weights_is_estimated_from_their_config(config: s
             Image.new("RGB", (32, 32)).save(tmp_path / "images" / "a" / f"{index}.png")
         data = [f"--data.init_args.root={tmp_path / 'images'}", "--data.init_args.image_size=32"]
     else:
-        rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
-        torch.save({key: torch.zeros(8, *shape) for key, shape in rows.items()}, tmp_path / "latents.pt")
-        data = [f"--data.init_args.path={tmp_path / 'latents.pt'}"]
+        data = [f"--data.init_args.path={write_latents(tmp_path / 'latents.pt', samples=8)}"]
     args = ["-c", str(ROOT / "configs" / config), f"--model.init_args.pretrained={tmp_path / 'weights'}", *data]
     dtype = torch.bfloat16 if "flux" in config else torch.float32  # the Flux config loads bf16 weights
     precision = [] if "flux" in config else ["--trainer.precision=32"]

@@ -205,16 +205,13 @@ def test_the_flux_lora_config_trains_on_a_device_smaller_than_its_weights(tmp_pa
     device; at a budget between it and the weights the strategy takes the host tier by itself,
     streams the frozen blocks, and every metered step of the whole fit, the first included,
     holds the budget and the prediction."""
-    from diffusers import FluxTransformer2DModel
+    from models import tiny_flux_dev, write_latents
 
     from lightning_tbp.lightning_cli import run_lightning_cli
 
     torch.manual_seed(0)
-    config = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
-    FluxTransformer2DModel(**{**config, "guidance_embeds": True}).save_pretrained(tmp_path / "flux")
-    generator = torch.Generator().manual_seed(0)
-    rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
-    torch.save({key: torch.randn(8, *shape, generator=generator) for key, shape in rows.items()}, tmp_path / "z.pt")
+    tiny_flux_dev().save_pretrained(tmp_path / "flux")
+    write_latents(tmp_path / "z.pt", samples=8)
     command = ["fit", "-c", str(ROOT / "configs" / "finetune_flux_lora.yaml"), "--trainer.accelerator=cpu"]
     command += [f"--model.init_args.pretrained={tmp_path / 'flux'}", f"--data.init_args.path={tmp_path / 'z.pt'}"]
     command += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0"]

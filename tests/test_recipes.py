@@ -66,17 +66,13 @@ def pretrained_unet(tmp_path_factory) -> Path:
 def latent_models(tmp_path_factory) -> dict[str, Path]:
     """Tiny SD3 and Flux (with FLUX.1-dev's guidance input) transformers' folders, and a file of
     latents and text embeddings both take."""
-    from diffusers import FluxTransformer2DModel
+    from models import tiny_flux_dev, write_latents
 
     root = tmp_path_factory.mktemp("latent_models")
     torch.manual_seed(0)
     ZOO["sd3"].build().save_pretrained(root / "sd3")
-    flux = {key: value for key, value in ZOO["flux"].build().config.items() if not key.startswith("_")}
-    FluxTransformer2DModel(**{**flux, "guidance_embeds": True}).save_pretrained(root / "flux")
-    generator = torch.Generator().manual_seed(0)
-    rows = {"latents": (4, 16, 16), "encoder_hidden_states": (12, 32), "pooled_projections": (32,)}
-    torch.save({key: torch.randn(12, *shape, generator=generator) for key, shape in rows.items()}, root / "latents.pt")
-    return {"sd3": root / "sd3", "flux": root / "flux", "latents": root / "latents.pt"}
+    tiny_flux_dev().save_pretrained(root / "flux")
+    return {"sd3": root / "sd3", "flux": root / "flux", "latents": write_latents(root / "latents.pt", samples=12)}
 
 
 def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, latent_models: dict[str, Path]) -> list[str]:

@@ -198,34 +198,33 @@ class DiffusionModule(L.LightningModule):
         """Per-sample denoising loss, shape [B]: the mean squared error of each sample's prediction."""
         images = batch["images"]
         noise = torch.randn_like(images)
-        if self.family.objective == "flow":
-            return self._flow_loss(images, noise, batch)
+        noised = self._flow_point if self.family.objective == "flow" else self._ddpm_point
+        noisy, timesteps, target = noised(images, noise)
+        prediction = self.family.call(self.model, noisy, timesteps, self._guided(batch)).float()
+        squared_error = F.mse_loss(prediction, target.float(), reduction="none")
+        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+
+    def _ddpm_point(self, images: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A DDPM training point: the noisy input at a uniform timestep, and its target (the noise,
+        or the velocity under v-prediction)."""
         timesteps = torch.randint(
             0, self.noise_scheduler.config.num_train_timesteps, (images.shape[0],), device=images.device
         )
         noisy = self.noise_scheduler.add_noise(images, noise, timesteps)
         if self.hparams.prediction_type == "epsilon":
-            target = noise
-        else:
-            target = self.noise_scheduler.get_velocity(images, noise, timesteps)
-        prediction = self.family.call(self.model, noisy, timesteps, batch).float()
-        squared_error = F.mse_loss(prediction, target.float(), reduction="none")
-        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+            return noisy, timesteps, noise
+        return noisy, timesteps, self.noise_scheduler.get_velocity(images, noise, timesteps)
 
-    def _flow_loss(self, images: torch.Tensor, noise: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    def _flow_point(self, images: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rectified flow: the sample at noise level s is (1 - s) x + s n, the model predicts its
         velocity n - x; s is drawn logit-normal (SD3's choice: the middle levels, where the
         prediction is hardest, most often), then shifted as the scheduler shifts its table."""
-        batch = self._guided(batch)
         shift = float(self.noise_scheduler.config.shift)
         drawn = torch.sigmoid(torch.randn(images.shape[0], device=images.device))
         sigmas = shift * drawn / (1 + (shift - 1) * drawn)
         shaped = sigmas.view(-1, *([1] * (images.dim() - 1))).to(images.dtype)
         noisy = (1 - shaped) * images + shaped * noise
-        timesteps = sigmas * self.noise_scheduler.config.num_train_timesteps
-        prediction = self.family.call(self.model, noisy, timesteps, batch).float()
-        squared_error = F.mse_loss(prediction, (noise - images).float(), reduction="none")
-        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+        return noisy, sigmas * self.noise_scheduler.config.num_train_timesteps, noise - images
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:

@@ -94,22 +94,6 @@ def estimate_config(
 
     ``device``: the device modelled; by default the config's ``trainer.accelerator`` says
     (:func:`device_of`)."""
-    arguments: list[str] = []
-    estimate = _estimate_config(args, arguments, device, device_memory, minimum)
-    for each in (estimate, estimate.with_step_in_backward, estimate.with_host_tier):
-        if each is not None:
-            each.budget_arguments = arguments[0]
-    return estimate
-
-
-def _estimate_config(
-    args: Sequence[str],
-    arguments: list[str],
-    device: str | DeviceModel | None,
-    device_memory: int | None,
-    minimum: bool,
-) -> StepEstimate:
-    """:func:`estimate_config`'s work; ``arguments`` gets the config's :func:`budget_arguments`."""
 
     def build() -> TrainingStep:
         cli = run_lightning_cli(args, run=False)
@@ -129,7 +113,8 @@ def _estimate_config(
             privacy=None if privacy is None else privacy.config,
         )
         step.layout = layout_of(trainer)
-        arguments.append(budget_arguments(cli.config.get("trainer", {}).get("strategy"), trainer.strategy, step.layout))
+        configured = cli.config.get("trainer", {}).get("strategy")
+        step.budget_arguments = budget_arguments(configured, trainer.strategy, step.layout)
         step.gradients_at_forward = loop_cases(trainer)
         step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)

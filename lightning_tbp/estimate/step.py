@@ -82,6 +82,9 @@ def _values_refused() -> Iterator[None]:
         ) from error
 
 
+ONE_DEVICE_BUDGET_ARGUMENTS = "--trainer.strategy=lightning_tbp.TinyBackpropStrategy --trainer.strategy.memory_budget="
+
+
 @dataclass
 class TrainingStep:
     """What one training step is made of; built under fake tensors by the caller."""
@@ -112,6 +115,9 @@ class TrainingStep:
     ``ACCUMULATED``, whose gradients stay (an upper bound)."""
     device: str = "cuda"
     """The device modelled when ``estimate_step`` is not told one (a config's accelerator)."""
+    budget_arguments: str = ONE_DEVICE_BUDGET_ARGUMENTS
+    """The LightningCLI arguments that train the step under a tiny_backprop strategy, a budget in
+    bytes to follow (a config's: ``estimate.config.budget_arguments``)."""
 
 
 @dataclass
@@ -169,9 +175,7 @@ class StepEstimate:
     host_master_dtype: str | None = None  # the masters' dtype where wider than the weights' (``fp32_master_weights``)
     host_parameters: tuple[int, int] | None = None  # (hosted, trainable) where only part of the state is there
     step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
-    # the LightningCLI arguments that train the step under a tiny_backprop strategy, a budget in
-    # bytes to follow (``estimate.config.budget_arguments``; a config's estimate sets them)
-    budget_arguments: str = "--trainer.strategy=lightning_tbp.TinyBackpropStrategy --trainer.strategy.memory_budget="
+    budget_arguments: str = ONE_DEVICE_BUDGET_ARGUMENTS  # ``TrainingStep.budget_arguments``
     # the device's optimizer state per trainable parameter of the target, by name (what hosting
     # a part takes off the device; not in the JSON)
     state_bytes_by_parameter: dict[str, int] = field(default_factory=dict)
@@ -421,6 +425,7 @@ def estimate_step(
         step_seconds=(solver.sim.step_ns - loop.step_inside_ns) / 1e9,
         host_parameters=None if hosted is None else (len(on_host), len(trainable_names)),
         state_bytes_by_parameter=state_by_name,
+        budget_arguments=step.budget_arguments,
     )
     per_rank(estimate, step.layout, step.target, {name: step.modules[name] for name in step.sharded_copies})
     if minimum:

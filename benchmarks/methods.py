@@ -125,7 +125,8 @@ def install(mode: Mode, case: Case) -> Installed:
     assert shape_plan is not None
     info = {
         "predicted_peak_bytes": shape_plan.predicted_peak_bytes,
-        "budget_bytes": shape_plan.budget_bytes,
+        "budget_bytes": shape_plan.budget_bytes,  # the step's: what the device's total leaves it
+        "memory_budget": budget,  # as given ("lowest" and "at:" resolved)
         "plan_seconds": shape_plan.profile_seconds + shape_plan.solve_seconds,
         "max_nesting": max(b.level for b in shape_plan.blocks),
         "decisions": {p: o.name.lower() for p, o in shape_plan.options.items()},
@@ -133,15 +134,17 @@ def install(mode: Mode, case: Case) -> Installed:
     return Installed(model, plan.remove, info)
 
 
-def at_measured_peak(mode: Mode, rows: list[dict[str, Any]]) -> Mode:
-    """``tbp:at:diffusers`` → a tbp mode whose budget is the peak measured in the diffusers row."""
+def at_measured_peak(mode: Mode, rows: list[dict[str, Any]], case: Case) -> Mode:
+    """``tbp:at:diffusers`` → a tbp mode whose budget is the peak measured in the diffusers row:
+    that step's peak, and the model's parameters beside it (a byte budget is the device's total)."""
     if not (isinstance(mode.value, str) and mode.value.startswith("at:")):
         return mode
     other = mode.value.removeprefix("at:")
     row = next((r for r in rows if r["mode"] == other), None)
     if row is None or "peak_bytes" not in row:
         raise ValueError(f"{mode.spec}: mode {other!r} has no measured peak ({(row or {}).get('error', 'not run')})")
-    return Mode(mode.spec, mode.kind, row["peak_bytes"])
+    parameters = sum(p.numel() * p.element_size() for p in case.model.parameters())
+    return Mode(mode.spec, mode.kind, row["peak_bytes"] + parameters)
 
 
 def measure_mode(
@@ -159,7 +162,7 @@ def measure_mode(
     ``tbp:at:MODE`` reads its budget from."""
     row: dict[str, Any] = {"mode": mode.spec, "kind": mode.kind}
     try:
-        installed = install(at_measured_peak(mode, earlier_rows), case)
+        installed = install(at_measured_peak(mode, earlier_rows, case), case)
         try:
             measured = measure_step(case.model, lambda: case.step(installed.forward), trials, reference, warmup=warmup)
         finally:

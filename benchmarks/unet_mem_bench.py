@@ -140,7 +140,7 @@ def time_in_turns(modes: list[Mode], case: Case, rows: list[dict[str, Any]], arg
         if "error" in row or mode.kind == "compile":
             continue
         if mode.kind == "tbp":  # the budget this row was planned at ("lowest" and "at:" resolved)
-            mode = Mode(mode.spec, mode.kind, row["budget_bytes"])
+            mode = Mode(mode.spec, mode.kind, row["memory_budget"])
         copy = replace(case, model=deepcopy(case.model))
         installed = install(mode, copy)
         entries.append((row, copy, installed))

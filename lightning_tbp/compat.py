@@ -7,6 +7,7 @@ breaks, this module (and ``tests/test_compat.py``, which exercises each) is the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -316,3 +317,24 @@ def lightning_skips_backward(trainer: Any) -> bool:
     """Whether Lightning's automatic optimisation skips this batch's backward and ``zero_grad``
     (``StochasticWeightAveraging`` sets it for its batch-norm epoch); Lightning keeps the flag private."""
     return bool(trainer.fit_loop._skip_backward)
+
+
+def unobserved_step(cls: type[torch.optim.Optimizer]) -> Any:
+    """The function behind ``cls.step`` without the hooks torch wraps around it.
+
+    The planner steps twins of the user's optimizer (same class, options) on probes to size and
+    time the real step; a global hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``),
+    which a user's logger or EMA may have registered, must not see those steps. torch wraps each
+    optimizer class's ``step`` once in ``Optimizer.profile_hook_step`` (marked ``hooked``), which runs
+    the hooks around the function it wraps (``functools.wraps``: ``__wrapped__``). Raises
+    ``TypeError`` where the class's ``step`` is no Python function (a test's class-level mock):
+    it cannot be run, nor a twin made (torch's constructor reads ``step.hooked``), unobserved."""
+    step = inspect.getattr_static(cls, "step")
+    if not inspect.isfunction(step):  # checked first: a mock records even the reading of an attribute
+        raise TypeError(f"{cls.__name__}.step is {type(step).__name__}, not a function: it cannot be imitated unseen")
+    return getattr(step, "__wrapped__", step) if getattr(step, "hooked", False) else step
+
+
+def step_unobserved(optimizer: torch.optim.Optimizer) -> Any:
+    """Run ``optimizer``'s own ``step`` without the hooks torch wraps around it (:func:`unobserved_step`)."""
+    return unobserved_step(type(optimizer))(optimizer)

@@ -165,14 +165,20 @@ def max_relative_difference(grads: dict, reference: dict) -> float:
     return worst
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """What a byte budget, the device's total, holds of ``model`` outside its step: its parameters."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def feasible_range(model: nn.Module, args: tuple, kwargs: dict) -> tuple[int, int]:
-    """(minimum feasible budget, naive peak) in bytes, as the planner's infeasibility error names them."""
+    """(minimum feasible budget, naive peak) as byte budgets, the device's totals (the model's
+    parameters included), as the planner's infeasibility error names them."""
     from lightning_tbp import InfeasibleBudgetError, rematerialize
 
     try:
         rematerialize(model, *args, memory_budget=1, **kwargs)
     except InfeasibleBudgetError as error:
-        return error.minimum_budget_bytes, error.naive_bytes
+        return error.minimum_budget_bytes, error.naive_bytes + error.held_bytes
     raise AssertionError("a 1-byte budget cannot be feasible")
 
 

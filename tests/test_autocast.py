@@ -221,7 +221,7 @@ def test_a_whole_fit_under_the_users_own_autocast_holds_its_lowest_plan() -> Non
 
     with pytest.raises(InfeasibleBudgetError) as error:
         run(1)
-    lowest = math.ceil(1000 * error.value.minimum_budget_bytes / error.value.naive_bytes) / 1000
+    lowest = math.ceil(1000 * error.value.minimum_step_bytes / error.value.naive_bytes) / 1000
     fit = run(lowest)
     _assert_the_promise_holds(fit)
     assert Option.SELECTIVE not in fit["plan"].options.values()

@@ -303,3 +303,30 @@ if hasattr(model[0], "set_reduce_scatter_max_input_buffers"):  # torch 2.13
     assert compat.fsdp2_reduce_inputs_kept(model[0]) == 2
 """
     run_in_a_gloo_group_of_one(body, port=29623)
+
+
+def test_step_unobserved_runs_the_optimizers_own_step_without_torchs_hooks() -> None:
+    """The planner's twins step through the function ``Optimizer.profile_hook_step`` wraps, so a
+    global step hook never sees them; a class whose step is a mock cannot be stepped unseen."""
+    from unittest import mock
+
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from lightning_tbp.compat import step_unobserved, unobserved_step
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    weight.grad = torch.ones(3)
+    optimizer = torch.optim.SGD([weight], lr=0.5)
+    seen: list[object] = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(opt))
+    try:
+        step_unobserved(optimizer)
+        assert not seen
+        torch.testing.assert_close(weight.detach(), torch.full((3,), 0.5))
+        optimizer.step()
+        assert seen == [optimizer]  # the hook is there: only the unobserved step passes it by
+    finally:
+        handle.remove()
+    with mock.patch.object(torch.optim.SGD, "step") as mocked, pytest.raises(TypeError, match="not a function"):
+        unobserved_step(torch.optim.SGD)
+    assert not mocked.mock_calls  # not even an attribute of the mock was read

@@ -226,7 +226,7 @@ def test_a_whole_fit_below_what_recomputation_reaches_holds_its_promise(name: st
     def lowest(host_tier: str) -> float:  # as a fraction of the step's naive peak
         with pytest.raises(InfeasibleBudgetError) as error:
             _fit(ZooModule(name, batch=8), loader, strategy(1e-6, host_tier), max_steps=1)
-        return error.value.minimum_budget_bytes / error.value.naive_bytes
+        return error.value.minimum_step_bytes / error.value.naive_bytes
 
     without, with_host = lowest("off"), lowest("on")
     assert with_host < without

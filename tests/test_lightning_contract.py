@@ -78,4 +78,4 @@ def test_the_strategies_hooks_are_checked() -> None:
     from lightning_tbp.strategies import TinyBackpropMixin
 
     marked = {name for name, f in _own_methods(TinyBackpropMixin).items() if getattr(f, "__override__", False)}
-    assert {"setup", "backward", "teardown", "post_backward", "training_step", "optimizer_step"} <= marked
+    assert {"setup", "pre_backward", "teardown", "post_backward", "training_step", "optimizer_step"} <= marked

@@ -504,7 +504,7 @@ def test_a_video_vae_fine_tune_holds_its_promise_through_its_temporal_chunks(tra
     assert any("#" in key for key in roomy["plan"].options), "a later chunk's call is planned"
     with pytest.raises(InfeasibleBudgetError) as refused:
         run(0.01)
-    lowest = run(math.ceil(1000 * refused.value.minimum_budget_bytes / refused.value.naive_bytes) / 1000)
+    lowest = run(math.ceil(1000 * refused.value.minimum_step_bytes / refused.value.naive_bytes) / 1000)
     steps = lowest["loop_steps"]
     assert [s["step"] for s in steps][:3] == [0, 1, 2]
     for step in steps:

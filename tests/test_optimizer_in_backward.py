@@ -360,7 +360,7 @@ def test_below_what_even_the_step_inside_the_backward_reaches_the_error_names_bo
     with pytest.raises(InfeasibleBudgetError) as raised:
         _fit_wide(tmp_path, 0.3)
     error = raised.value
-    assert 0.3 < error.minimum_budget_bytes / error.naive_bytes < 0.5  # of the ordinary loop's naive peak
+    assert 0.3 < error.minimum_step_bytes / error.naive_bytes < 0.5  # of the ordinary loop's naive peak
     assert any("that minimum is with the optimizer step inside the backward" in n for n in error.__notes__)
 
 

@@ -10,10 +10,14 @@ datamodules have one), the precision from the Trainer, the planned target and th
 from __future__ import annotations
 
 import functools
+import re
+import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
 from lightning_tbp.estimate.device import DeviceModel
@@ -22,6 +26,7 @@ from lightning_tbp.estimate.lightning import lightning_step
 from lightning_tbp.estimate.step import StepEstimate, TrainingStep, estimate_step
 from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.optim.host_state import fewest_covering
+from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN
 from lightning_tbp.remat.step import PART_FACTORS, PriorGradients
 from lightning_tbp.strategies.common import TinyBackpropMixin
 from lightning_tbp.strategies.distributed import TinyBackpropDDPStrategy, TinyBackpropFSDP2Strategy
@@ -93,10 +98,32 @@ def estimate_config(
     """Estimate the training step of the config in ``args`` (LightningCLI arguments, ``-c`` included).
 
     ``device``: the device modelled; by default the config's ``trainer.accelerator`` says
-    (:func:`device_of`)."""
+    (:func:`device_of`). The estimate names the options of the config's strategy it assumed
+    (``StepEstimate.assumed``), carries its ``max_slowdown`` for the verdict, and times the whole
+    of it (every step estimated, every build of the config)."""
+    started = time.perf_counter()
+    assumed: dict[str, object] = {}
+    estimate = _estimate_config(args, device, device_memory, minimum, assumed)
+    max_slowdown = assumed.get("max_slowdown", DEFAULT_MAX_SLOWDOWN)
+    assert max_slowdown is None or isinstance(max_slowdown, int | float)
+    for each in (estimate, estimate.with_step_in_backward, estimate.with_host_tier):
+        if each is not None:
+            each.max_slowdown, each.assumed = max_slowdown, assumed
+    estimate.estimate_seconds = time.perf_counter() - started
+    return estimate
+
+
+def _estimate_config(
+    args: Sequence[str],
+    device: str | DeviceModel | None,
+    device_memory: int | None,
+    minimum: bool,
+    assumed: dict[str, object],
+) -> StepEstimate:
+    """:func:`estimate_config`; the first build of the config fills ``assumed``."""
 
     def build() -> TrainingStep:
-        cli = run_lightning_cli(args, run=False)
+        cli, accelerator = _cli_without_the_device(args, device)
         trainer, module, data = cli.trainer, cli.model, cli.datamodule
         if data is None or not hasattr(data, "example_batch"):
             raise EstimateConfigError(
@@ -116,7 +143,7 @@ def estimate_config(
         configured = cli.config.get("trainer", {}).get("strategy")
         step.budget_arguments = budget_arguments(configured, trainer.strategy, step.layout)
         step.gradients_at_forward = loop_cases(trainer)
-        step.device = device_of(cli.config.get("trainer", {}).get("accelerator", "auto"))
+        step.device = device_of(accelerator)
         mode = getattr(trainer.strategy, "optimizer_in_backward", False)
         strategy = trainer.strategy
         blocked = (  # only the tiny_backprop strategies step inside the backward: others' mode is False
@@ -130,6 +157,14 @@ def estimate_config(
         state_on_host = getattr(trainer.strategy, "optimizer_state_on_host", "auto")
         state_modes.append(state_on_host if getattr(trainer.strategy, "state_on_host_supported", False) else False)
         master_dtypes.append(getattr(trainer.strategy, "master_dtype", None))
+        if not assumed:
+            assumed.update(
+                strategy=type(strategy).__name__,
+                optimizer=", ".join(type(optimizer).__name__ for optimizer in step.optimizers),
+                optimizer_in_backward=mode,
+                host_tier=host_modes[-1],
+                max_slowdown=getattr(strategy, "max_slowdown", DEFAULT_MAX_SLOWDOWN),
+            )
         return step
 
     modes: list[tuple[bool | str, list[str]]] = []
@@ -182,6 +217,22 @@ def estimate_config(
         if state_on_device is not None and whole is not None and whole.host_state_bytes and _fits(whole):
             estimate.with_host_tier = _part_on_host(with_host_tier, state_on_device, whole)
     return estimate
+
+
+def _cli_without_the_device(args: Sequence[str], device: str | DeviceModel | None) -> tuple[Any, object]:
+    """The config's LightningCLI, built without running, and its ``trainer.accelerator``. A GPU
+    config estimated on a machine without one (``--device cuda``, or the config's own
+    ``accelerator: gpu``) is built with ``accelerator=cpu``: Lightning refuses a GPU Trainer there,
+    and the estimate needs only its objects, never the device (the device modelled stays CUDA)."""
+    try:
+        cli = run_lightning_cli(args, run=False)
+    except MisconfigurationException as error:
+        modelled = device.name if isinstance(device, DeviceModel) else device
+        no_gpu = not torch.cuda.is_available() and re.search(r"\b(gpu|cuda)\b", str(error), re.IGNORECASE)
+        if modelled == "cpu" or not no_gpu:
+            raise
+        return run_lightning_cli([*args, "--trainer.accelerator=cpu"], run=False), "cuda"
+    return cli, cli.config.get("trainer", {}).get("accelerator", "auto")
 
 
 def _part_on_host(

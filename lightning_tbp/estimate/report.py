@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from lightning_tbp.estimate.step import PlanFit, StepEstimate
+from lightning_tbp.estimate.step import StepEstimate
+from lightning_tbp.estimate.verdict import slowdown, verdict
 from lightning_tbp.remat.budget import format_bytes
-from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN
 from lightning_tbp.remat.step import LoopModel, PriorGradients
 
 
@@ -15,9 +15,12 @@ def estimate_dict(estimate: StepEstimate) -> dict[str, Any]:
     """JSON-ready: ``naive_peak_bytes``, ``fits`` (None without a device size), the plan's
     ``predicted_peak_bytes`` and ``budget_bytes``, and every part."""
     fit = estimate.fit
+    answer = verdict(estimate)
     return {
         "naive_peak_bytes": estimate.naive_peak_bytes,
-        "fits": None if fit is None else fit.fits_without_plan or fit.fits_with_plan,
+        "fits": answer.fits,  # as the strategy would train it (``verdict.py``), as the console says
+        "verdict": answer.how,
+        "assumed": estimate.assumed,
         "fits_without_plan": None if fit is None else fit.fits_without_plan,
         "device_memory_bytes": None if fit is None else fit.device_memory_bytes,
         "plan": None if fit is None else asdict(fit),
@@ -89,7 +92,7 @@ def format_estimate(estimate: StepEstimate) -> str:
             f"  (lowest plan recomputes ~{estimate.minimum_plan_recompute_time_ratio:.0%} of the step at most)"
         )
     if estimate.fit is not None:
-        lines.append(_fit_line(estimate.fit, estimate.budget_arguments))
+        lines.append(_fit_line(estimate, estimate.budget_arguments))
     fused = estimate.with_step_in_backward
     if fused is not None:
         lines.append(
@@ -102,7 +105,7 @@ def format_estimate(estimate: StepEstimate) -> str:
             )
         )
         if fused.fit is not None:
-            lines.append("  " + _fit_line(fused.fit, estimate.budget_arguments))
+            lines.append("  " + _fit_line(fused, estimate.budget_arguments))
     hosted = estimate.with_host_tier
     if hosted is not None:
         inside = ", the optimizer inside the backward" if hosted.step_in_backward else ""
@@ -121,22 +124,27 @@ def format_estimate(estimate: StepEstimate) -> str:
         if hosted.host_state_bytes:
             lines.append(_host_state_line(hosted))
         if hosted.fit is not None:
-            lines.append("  " + _fit_line(hosted.fit, estimate.budget_arguments))
+            lines.append("  " + _fit_line(hosted, estimate.budget_arguments))
     if estimate.unmeasured_workspace_ops:
         lines.append(
             f"  ({estimate.unmeasured_workspace_ops} ops too large to run on this machine: their kernels' temporaries "
             "are not counted)"
         )
+    if estimate.fit is not None:
+        lines.append(f"verdict: {verdict(estimate).how}")
+    if estimate.assumed:
+        lines.append("assumed (the config's strategy): " + ", ".join(f"{k}={v}" for k, v in estimate.assumed.items()))
     lines.append(f"(estimated in {estimate.estimate_seconds:.1f} s; what the figures model: docs/estimate.md)")
     return "\n".join(lines)
 
 
 def _host_state_line(estimate: StepEstimate) -> str:
     slowdown = estimate.host_slowdown
+    limit = estimate.max_slowdown
     refused = (
-        f"; above the strategies' default max_slowdown={DEFAULT_MAX_SLOWDOWN:g}, which refuses it "
+        f"; above max_slowdown={limit:g}, which refuses it "
         "(StallingPlanError): pass a larger max_slowdown, or step on a host CPU that is faster than this one"
-        if slowdown > DEFAULT_MAX_SLOWDOWN
+        if limit is not None and slowdown > limit
         else ""
     )
     copies = (
@@ -156,10 +164,18 @@ def _host_state_line(estimate: StepEstimate) -> str:
     )
 
 
-def _fit_line(fit: PlanFit, budget_arguments: str) -> str:
+def _fit_line(estimate: StepEstimate, budget_arguments: str) -> str:
+    fit = estimate.fit
+    assert fit is not None
     size = format_bytes(fit.device_memory_bytes)
     if fit.fits_without_plan:
         return f"fits in {size} without a plan"
+    limit = estimate.max_slowdown
+    if fit.fits_with_plan and limit is not None and slowdown(estimate) > limit:
+        return (
+            f"a plan reaches {format_bytes(fit.predicted_peak_bytes or 0)} in {size}, but its step is predicted "
+            f"{slowdown(estimate):.1f}x slower than the unplanned one, above max_slowdown={limit:g}: refused"
+        )
     if fit.fits_with_plan:
         return (
             f"fits in {size} with a plan: predicted peak {format_bytes(fit.predicted_peak_bytes or 0)}, "

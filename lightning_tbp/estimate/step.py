@@ -51,7 +51,7 @@ from lightning_tbp.optim.step_cost import host_optimizer_ns_per_byte
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.record import record_trace
 from lightning_tbp.remat.simulate import Simulator
-from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
+from lightning_tbp.remat.solve import DEFAULT_MAX_SLOWDOWN, InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import LoopModel, PriorGradients, step_model_for
 from lightning_tbp.remat.trace import Gathers, Trace
 
@@ -176,6 +176,8 @@ class StepEstimate:
     host_parameters: tuple[int, int] | None = None  # (hosted, trainable) where only part of the state is there
     step_seconds: float = 0.0  # the unplanned forward and backward on the device model (its roofline)
     budget_arguments: str = ONE_DEVICE_BUDGET_ARGUMENTS  # ``TrainingStep.budget_arguments``
+    max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN  # the strategy's: a slower step that fits is refused
+    assumed: dict[str, object] = field(default_factory=dict)  # the options the estimate took as the config's
     # the device's optimizer state per trainable parameter of the target, by name (what hosting
     # a part takes off the device; not in the JSON)
     state_bytes_by_parameter: dict[str, int] = field(default_factory=dict)
@@ -559,7 +561,7 @@ def _fit(estimate: StepEstimate, solver: Solver, device_memory: int) -> PlanFit:
         solution = solver.solve(fit.budget_bytes)
     except InfeasibleBudgetError as error:
         fit.reason = f"no plan fits: {error}"
-        fit.short_bytes = error.minimum_budget_bytes - fit.budget_bytes
+        fit.short_bytes = error.minimum_step_bytes - fit.budget_bytes
         return fit
     planned = solution.result
     optimizer = estimate.optimizer_step_peak_bytes - planned.streamed_bytes

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_tbp.compat import FakeTensor
+from lightning_tbp.compat import FakeTensor, step_unobserved, unobserved_step
 from lightning_tbp.memory.breakdown import plain_tensors, tensor_bytes
 from lightning_tbp.memory.homes import home_of, hosted_state
 from lightning_tbp.memory.meters import allocator_peak
@@ -119,7 +119,7 @@ def state_bytes_of_a_step(
     try:
         twin = optimizer_twin(optimizer, [{**options, "params": [probe]}], portable=True)
         with torch.compiler.set_stance("force_eager"):
-            twin.step()
+            step_unobserved(twin)
     except Exception as error:  # an optimizer we cannot imitate: say so rather than guess
         warnings.warn(
             f"lightning_tbp: cannot predict the state of {type(optimizer).__name__} ({error}); "
@@ -150,6 +150,7 @@ def optimizer_twin(optimizer: torch.optim.Optimizer, params: list[Any], portable
     constructor takes (AdamW's defaults hold a key its ``__init__`` refuses); ``portable``: without
     the device-only switches (``fused``, ``capturable``), which refuse a CPU probe and do not
     change what state is kept."""
+    unobserved_step(type(optimizer))  # refuses, before a twin is made, a class whose step cannot run unseen
     accepted = inspect.signature(type(optimizer).__init__).parameters
     defaults = {k: v for k, v in _options(optimizer.defaults).items() if k in accepted}
     if portable:
@@ -264,7 +265,7 @@ def _temporaries(optimizer: torch.optim.Optimizer, replica: list[dict[str, Any]]
         for _ in range(2):  # the first makes the state (not counted), the second steps with it
             before = _state_bytes(twin)
             with allocator_peak(device) as reading, torch.compiler.set_stance(stance):
-                twin.step()
+                step_unobserved(twin)
             highest = max(highest, reading.peak_bytes - (_state_bytes(twin) - before))
     except Exception as error:
         warnings.warn(

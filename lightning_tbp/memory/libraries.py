@@ -34,7 +34,7 @@ def warm_library_workspaces(device: torch.device) -> None:
         for dtype in (torch.float32, torch.bfloat16):
             weight = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
             bias = torch.zeros(16, device=device, dtype=dtype, requires_grad=True)
-            F.linear(weight, weight, bias).float().sum().backward()
+            torch.autograd.backward(F.linear(weight, weight, bias).float().sum())
     torch.cuda.synchronize(device)
 
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from lightning_tbp.compat import unset_fake_temporarily
+from lightning_tbp.compat import step_unobserved, unset_fake_temporarily
 
 OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor"]
 OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
@@ -54,7 +54,7 @@ def _warm_code_books(cls: Callable[..., torch.optim.Optimizer]) -> None:
     with unset_fake_temporarily(), torch.compiler.set_stance("force_eager"):
         probe = torch.zeros(4096, requires_grad=True)
         probe.grad = torch.zeros(4096)
-        cls([probe]).step()
+        step_unobserved(cls([probe]))
 
 
 def is_low_bit(optimizer: torch.optim.Optimizer) -> bool:

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_tbp.compat import unset_fake_temporarily
+from lightning_tbp.compat import step_unobserved, unset_fake_temporarily
 from lightning_tbp.memory.held import local_bytes, optimizer_twin
 
 
@@ -98,7 +99,14 @@ def _measured(
         return NO_COST
     dtype = _largest_dtype(optimizer)
     widened = master_dtype if master_dtype is not None and master_dtype.itemsize > dtype.itemsize else dtype
-    one, many = (_median_step_ns(optimizer, dtype, n, on, device, worker, widened) for n in (1, numel))
+    try:
+        one, many = (_median_step_ns(optimizer, dtype, n, on, device, worker, widened) for n in (1, numel))
+    except TypeError as error:  # a step that cannot be run unseen (``compat.step_unobserved``)
+        warnings.warn(
+            f"lightning_tbp: cannot time a {type(optimizer).__name__} step ({error}); plans count it as free",
+            stacklevel=2,
+        )
+        return NO_COST
     nbytes = (numel - 1) * torch.empty((), dtype=dtype).element_size()
     return StepCost(one, max(0.0, many - one) / nbytes)
 
@@ -128,7 +136,7 @@ def _median_step_ns(
     param = torch.zeros(numel, dtype=dtype, device=device)
 
     def step_and_copy_back() -> None:
-        twin.step()
+        step_unobserved(twin)
         param.copy_(probe.detach())
 
     def once() -> float:
@@ -136,7 +144,7 @@ def _median_step_ns(
         start = time.perf_counter_ns()
         if worker is None:
             probe.grad = grad
-            twin.step()
+            step_unobserved(twin)
         else:
             probe.grad = grad.to(on, copy=True).to(probe.dtype)
             worker.submit(step_and_copy_back).result()

@@ -754,7 +754,7 @@ def _metered(
 ) -> tuple[int, int, float, float]:
     """(norm peak, sum peak, norm ns, sum ns) of a tapped layer's two computations, measured
     exactly; ``clipped_sum`` leaves its result in ``grads``, which is left out of its peak."""
-    with torch.no_grad(), garbage_collection_held(collect=False):
+    with torch.no_grad(), garbage_collection_held():
         norm_first_ns, norm = first_run(norms, device)  # (also the timings' warm-up)
         sum_first_ns, summed = first_run(clipped_sum, device)
         sum_bytes = max(0, summed.peak_bytes - _bytes(grads.values()))

@@ -7,9 +7,10 @@ Accepted forms (anything else raises ``ValueError`` listing them):
   module's outputs counts once a metered step has measured it, see ``verify.StepMeter``);
 * an int: bytes;
 * a string with a unit, "6GiB", "512MiB", "1.5GB", "300kB" (binary units are powers of 1024,
-  decimal ones powers of 1000). Given to ``rematerialize``, bytes bound the step's peak above
-  what was held before it; given to a strategy, they are the device's total, and the
-  parameters and optimizer state it holds (``HeldMemory``) come off first;
+  decimal ones powers of 1000). Bytes are always the device's total: what training holds on it
+  outside the step (``HeldMemory``: the parameters, the optimizer state, DDP's buckets; for
+  ``rematerialize``, the module's parameters and the state of the optimizers it is given) comes
+  off first, and the step is planned in the rest;
 * "auto": on CUDA, the device's free memory at planning time minus a margin of
   ``AUTO_CUDA_MARGIN`` of its total memory (room for allocator fragmentation and the loss) and,
   under a strategy, minus the optimizer state that the first step will create; on other

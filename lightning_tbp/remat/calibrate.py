@@ -167,7 +167,7 @@ class OpCalibrator:
             for event, key in self.event_keys.items()
             if key in self._timed_keys or key in metered
         }
-        with garbage_collection_held(collect=False):  # holding it off keeps the meters exact
+        with garbage_collection_held():  # holding it off keeps the meters exact
             per_job = {
                 job: _measure_op(
                     *self._specs[job[0]], job[1], timed=job[0] in self._timed_keys, metered=job[0] in metered
@@ -195,7 +195,7 @@ class OpCalibrator:
         jobs = {
             event: (key, self._gradients_of(event, consumers)) for event, key in self.event_keys.items() if key in fits
         }
-        with unset_fake_temporarily(), garbage_collection_held(collect=False):
+        with unset_fake_temporarily(), garbage_collection_held():
             per_job = {
                 job: _measure_op(*self._specs[job[0]], job[1], timed=False, metered=True) for job in set(jobs.values())
             }

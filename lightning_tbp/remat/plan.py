@@ -18,10 +18,10 @@ same one (the strategies give one built on collectives; see ``strategies/common.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import logging
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -32,10 +32,10 @@ import torch
 from torch import nn
 
 from lightning_tbp.compat import tree_flatten
-from lightning_tbp.memory.held import HeldMemory
+from lightning_tbp.memory.held import HeldMemory, held_memory
 from lightning_tbp.memory.homes import loaded_device
 from lightning_tbp.memory.libraries import warm_library_workspaces
-from lightning_tbp.memory.meters import refuse_foreign_profiler
+from lightning_tbp.memory.meters import collect_garbage_made_inside, refuse_foreign_profiler
 from lightning_tbp.remat.apply import InstalledWrappers
 from lightning_tbp.remat.budget import BudgetSpec, MemoryBudget, format_bytes, format_room, parse_budget
 from lightning_tbp.remat.calibrate import release_random_tiles
@@ -82,7 +82,23 @@ log = logging.getLogger("lightning_tbp")
 # raised); returns the plan all processes use, or raises on all of them.
 Agreement = Callable[[Signature, "ShapePlan | Exception"], "ShapePlan"]
 
-__all__ = ["Agreement", "BatchAboveCeilingWarning", "NothingToPlanWarning", "Plan", "ShapePlan", "rematerialize"]
+__all__ = [
+    "Agreement",
+    "BatchAboveCeilingWarning",
+    "NothingToPlanWarning",
+    "OverBudgetWarning",
+    "Plan",
+    "ShapePlan",
+    "rematerialize",
+]
+
+
+#: How often :meth:`Plan.correct` solves one signature again for a measured step over its budget.
+MAX_CORRECTIONS = 2
+
+
+class OverBudgetWarning(UserWarning):
+    """A plan's measured step stays over its budget and no correction is tried any more."""
 
 
 class BatchAboveCeilingWarning(UserWarning):
@@ -157,8 +173,8 @@ class Plan:
         no selective blocks, whose cache torch hands to the first backward only. A DP engine
         attached to the module declares its own passes (``step.py``), which count too.
         ``held``: what training keeps on the device outside the step (parameters, optimizer
-        state), asked at each new plan; a byte budget is then the device's total (see
-        :meth:`MemoryBudget.resolve`).
+        state), asked at each new plan (None: the module's parameters); a byte budget is the
+        device's total, less this (see :meth:`MemoryBudget.resolve`).
         ``loop``: the gradients the training loop holds when a step starts and its optimizer
         step (``step.LoopModel``); plans hold in every case it lists. By default a step starts
         without gradients, as after ``zero_grad(set_to_none=True)``; see :meth:`set_loop`.
@@ -219,12 +235,15 @@ class Plan:
         self._loss_per_output_byte = 0.0  # the loss's measured bytes over its module outputs' (0: not yet)
         self._warned_autocast = False  # a metered backward ran under autocast with its cache (warned once)
         self._meter_next: set[Signature] = set()  # signatures re-planned: meter their next step
+        self._corrections: dict[Signature, int] = {}  # how often each signature was corrected
+        self._settled: set[Signature] = set()  # signatures kept over their budget (``correct``)
+        self._warned_nothing = False  # NothingToPlanWarning, once
         self._active: dict[str, Option] = {}
         self._cache_limits: dict[str, int] = {}
         self._streamed: dict[str, tuple[str, ...]] = {}
         self._wrappers = InstalledWrappers(module, self._active, self._cache_limits, self._streamed)
         self._planning = False
-        self._caught_errors = False  # planning went on past an error (``plan_for`` collects its cycles)
+        self._caught_errors: list[BaseException] = []  # planning went on past these (``plan_for`` frees them)
         self._inside_call = False  # planning from the module's own forward pre-hook
         self._planned_layout: tuple[type, type | None] | None = None  # the weights' as the plans were made
         self._hook = module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
@@ -254,15 +273,25 @@ class Plan:
                 )
             finally:
                 release_random_tiles()  # the stand-ins' values, no longer needed
-                if self._caught_errors:
-                    # a solve that went on to an alternative caught an error whose traceback holds, in a
-                    # cycle, the frames it passed through and the callers' behind them (this call's
-                    # inputs among them): collected before the step, not whenever the collector runs
-                    # (a collection costs ~0.3 s in a process with torch loaded: only then)
-                    self._caught_errors = False
-                    gc.collect()
+                # a solve that went on to an alternative caught errors whose tracebacks hold, in a
+                # cycle, the frames they passed through (this call's inputs among them): their frames
+                # are cleared now, before the step, rather than left to a collection (which inside a
+                # metered region would free old garbage the meter then misreads, and costs ~0.3 s)
+                for error in self._caught_errors:
+                    release_frames(error)
+                self._caught_errors.clear()
+                collect_garbage_made_inside()  # planning's own cycles, inside the step's meter
             self.shape_plans[key] = planned
             self._planned_layout = weights_layout(self.module)
+            if not planned.blocks and not self._warned_nothing:
+                self._warned_nothing = True
+                warnings.warn(
+                    f"lightning_tbp: nothing to plan in {type(self.module).__name__}: it has no submodule with "
+                    "children of its own (leaf layers such as a single Linear are not checkpointed, since that saves "
+                    "nothing); training runs unchanged",
+                    NothingToPlanWarning,
+                    stacklevel=4 if self._inside_call else 3,
+                )
             log.info("lightning_tbp plan for %s:\n%s", type(self.module).__name__, self.report(planned))
         elif self.batch_ceiling is not None:
             self._check_ceiling(batch)
@@ -442,7 +471,7 @@ class Plan:
             signature,
             batch_size_of(args, kwargs),
             _device_of(self.module, args, kwargs),
-            self.held() if self.held is not None else None,
+            self.held() if self.held is not None else held_memory(self.module, (), device),
             loss_measured=self._loss_per_output_byte > 0,
             alongside=alongside,
         )
@@ -457,7 +486,7 @@ class Plan:
         try:
             solved = self._solve_in_loop(profile, correction)
         except InfeasibleBudgetError as error:
-            self._caught_errors = True
+            self._caught_errors.append(error)
             if not self._may_take_host_tier():
                 raise
             solved = self._solve_with_host_tier(profile, correction, error)
@@ -486,7 +515,7 @@ class Plan:
         try:
             return self._solve_with(profile, profile.solver, correction)
         except InfeasibleBudgetError as error:
-            self._caught_errors = True
+            self._caught_errors.append(error)
             hosted = self.host_tier == "on" or self._host_tier_used
             for alternative in [a for a in self.alternatives if hosted or not a.host_tier]:
                 try:
@@ -507,11 +536,11 @@ class Plan:
         except InfeasibleBudgetError as lower:
             self._host_tier_used = False
             profile.solver = device_only
-            if lower.minimum_budget_bytes >= error.minimum_budget_bytes:
+            if lower.minimum_step_bytes >= error.minimum_step_bytes:
                 raise error from None
             lower.add_note(
                 f"that minimum is with the host tier (host_tier='auto'); on the device alone "
-                f"{format_bytes(error.minimum_budget_bytes)}"
+                f"{format_bytes(error.minimum_step_bytes)}"
             )
             raise lower from None
         # against what was held outside the step on the device alone (an alternative it took may hold less)
@@ -522,7 +551,7 @@ class Plan:
         room = format_room(solved.budget_bytes - shift)
         self._host_tier_action = (
             f"the host tier (host_tier='auto'): what the budget leaves the step, {room}, is below the device-only "
-            f"minimum {format_bytes(error.minimum_budget_bytes)}, so plans may {may} from now on",
+            f"minimum {format_bytes(error.minimum_step_bytes)}, so plans may {may} from now on",
         )
         log.warning("lightning_tbp: taking %s", self._host_tier_action[0])
         return solved
@@ -530,13 +559,13 @@ class Plan:
     def _solve_in_alternative(
         self, profile: _Profile, correction: float, error: InfeasibleBudgetError, alternative: LoopAlternative
     ) -> ShapePlan:
-        without = format_bytes(error.minimum_budget_bytes)
+        without = format_bytes(error.minimum_step_bytes)
         solver, held, freed = self._taking(profile, alternative)
         try:
             solved = self._solve_with(profile, solver, correction, held)
         except InfeasibleBudgetError as lower:
-            within = format_bytes(lower.minimum_budget_bytes - freed)
-            if alternative.blocked is not None or lower.minimum_budget_bytes - freed >= error.minimum_budget_bytes:
+            within = format_bytes(lower.minimum_step_bytes - freed)
+            if alternative.blocked is not None or lower.minimum_step_bytes - freed >= error.minimum_step_bytes:
                 blocked = "" if alternative.blocked is None else f", but it cannot be taken here: {alternative.blocked}"
                 error.add_note(f"{alternative.action} would lower the minimum to {within}{blocked}")
                 raise error from None
@@ -544,10 +573,11 @@ class Plan:
             reached = InfeasibleBudgetError(
                 lower.budget_bytes, lower.minimum_peak_bytes, error.naive_bytes, lower.host_bytes
             )
+            reached.minimum_device_bytes = lower.minimum_device_bytes
+            reached.freeze_message()
             # compared from here on against what the loop holds without it (its message keeps its own)
             reached.budget_bytes -= freed
-            reached.minimum_budget_bytes -= freed
-            reached.minimum_device_bytes = lower.minimum_device_bytes
+            reached.minimum_step_bytes -= freed
             for note in getattr(lower, "__notes__", []):
                 reached.add_note(note)
             reached.add_note(
@@ -563,7 +593,7 @@ class Plan:
             raise error from None
         del self.alternatives[: self.alternatives.index(alternative) + 1]  # it includes those before it
         # parts of it, from the least the budget needs, where one is predicted faster than the whole
-        short = error.minimum_budget_bytes - (solved.budget_bytes - freed)
+        short = error.minimum_step_bytes - (solved.budget_bytes - freed)
         parts = self._parts(profile, correction, alternative, short) if freed > 0 else []
         weighed = ""
         if parts:
@@ -741,13 +771,22 @@ class Plan:
         """Whether a corrected plan's next step is to be metered (it must start without gradients)."""
         return self.measure and bool(self._meter_next)
 
-    def correct(self, shape_plan: ShapePlan, ratio: float) -> ShapePlan:
+    def correct(self, shape_plan: ShapePlan, ratio: float) -> ShapePlan | None:
         """Solve ``shape_plan``'s signature again with its predictions scaled by ``ratio`` (a
         measured over predicted peak above 1), install it for the next call and meter that call.
 
-        Raises :class:`InfeasibleBudgetError` if no plan fits with the correction. In a
-        distributed run every process must call it with the same ``ratio``."""
+        Each signature is corrected at most ``MAX_CORRECTIONS`` times: a step still over its
+        budget after that, or one no corrected plan can meet, keeps the plan it has, with one
+        warning naming what it measured and the budget that holds it; None is returned then (and
+        for every later call on that signature). In a distributed run every process must call it
+        with the same ``ratio``."""
         key = self._key_of(shape_plan)
+        if key in self._settled:
+            return None
+        if self._corrections.get(key, 0) >= MAX_CORRECTIONS:
+            self._settle(key, shape_plan, f"after {MAX_CORRECTIONS} corrections")
+            return None
+        self._corrections[key] = self._corrections.get(key, 0) + 1
         profile = self._profiles[key]
         correction = shape_plan.correction * ratio
         loss = shape_plan.measured_loss_bytes
@@ -760,7 +799,11 @@ class Plan:
             options = [shape_plan.options.get(node.key, Option.KEEP) for node in profile.trace.nodes]
             unexplained = ratio * shape_plan.predicted_peak_bytes / profile.solver.sim.run(options).peak_bytes
             correction = shape_plan.correction * (unexplained if unexplained > 1 / (1 - PLANNING_MARGIN) else 1.0)
-        corrected = self._agreed(profile.signature, lambda: self._solve_profile(profile, correction=correction))
+        try:
+            corrected = self._agreed(profile.signature, lambda: self._solve_profile(profile, correction=correction))
+        except InfeasibleBudgetError as error:
+            self._settle(key, shape_plan, f"and no plan meets it with that error folded in ({error})")
+            return None
         corrected.profile_seconds = shape_plan.profile_seconds
         self.shape_plans[key] = corrected
         self._meter_next.add(key)
@@ -777,6 +820,21 @@ class Plan:
             self.report(corrected),
         )
         return corrected
+
+    def _settle(self, key: Signature, shape_plan: ShapePlan, why: str) -> None:
+        """Keep ``shape_plan`` for ``key`` from now on, over its budget, and say so once."""
+        self._settled.add(key)
+        measured = shape_plan.measured_peak_bytes
+        peaked = "" if measured is None else f", last measured at {shape_plan.level(measured)},"
+        warnings.warn(
+            f"lightning_tbp: the plan for {type(self.module).__name__}{peaked} stays over its budget "
+            f"{shape_plan.level(shape_plan.budget_bytes)} {why}: it is kept, unchanged, for this input shape and "
+            f"no longer corrected. It predicts {shape_plan.level(shape_plan.predicted_peak_bytes)}, of which the "
+            f"parameter gradients are {format_bytes(shape_plan.parameter_grad_bytes)}; give a budget above what "
+            "its steps measure",
+            OverBudgetWarning,
+            stacklevel=2,
+        )
 
     def verify(self, step: Callable[[], Any], device: torch.device | str | None = None) -> Verification:
         """Run ``step`` (a forward and backward that starts without gradients) under the exact
@@ -803,12 +861,14 @@ class Plan:
         )
         if verdict.within_budget:
             return verdict
-        self.correct(shape_plan, verdict.ratio)
-        return replace(verdict, replanned=True)
+        return replace(verdict, replanned=self.correct(shape_plan, verdict.ratio) is not None)
 
     # -- lifecycle and reports --------------------------------------------------------------------
     def remove(self) -> None:
-        """Restore the module exactly: no wrapper, no hook."""
+        """Restore the module exactly: no wrapper, no hook. What is left are the plans and their
+        reports: the callables a training loop handed in (its alternatives, meters, agreement)
+        are dropped, since no shape is planned again, and they hold the loop's objects (a Trainer
+        pickled after fit pickles its strategy, and with it this plan)."""
         self._meter.stop()
         self._metered = None
         self._hook.remove()
@@ -816,6 +876,7 @@ class Plan:
         self._outputs_hook.remove()
         self._wrappers.remove()
         self._active.clear()
+        self.alternatives, self.alongside, self.held, self.agree = [], None, None, None
 
     def _require(self, shape_plan: ShapePlan | None) -> ShapePlan:
         shape_plan = shape_plan or self.current
@@ -840,6 +901,18 @@ class Plan:
         return f"Plan({type(self.module).__name__}, budget={self.budget.describe()}, shapes={len(self.shape_plans)})"
 
 
+def release_frames(error: BaseException | None) -> None:
+    """Clear the locals of the finished frames ``error``'s traceback holds (and its context's), so
+    the cycle through them (the exception, a frame's local naming it) is freed at once."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if error.__traceback__ is not None:
+            traceback.clear_frames(error.__traceback__)
+            error.__traceback__ = None
+        error = error.__context__
+
+
 def _device_of(module: nn.Module, args: tuple, kwargs: dict) -> torch.device:
     for leaf in tree_flatten((args, kwargs))[0]:
         if isinstance(leaf, torch.Tensor):
@@ -854,20 +927,29 @@ def rematerialize(
     host_tier: HostTier = "off",
     host_budget_bytes: int | None = None,
     max_slowdown: float | None = DEFAULT_MAX_SLOWDOWN,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
     **example_kwargs: Any,
 ) -> Plan:
     """Install a rematerialization plan on ``module`` in place and return it.
 
     ``example_args``/``example_kwargs`` are a representative call; the plan for their shapes is
     made now, and a call with other shapes later gets its own plan (cached per signature).
-    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; ``host_tier``,
+    ``memory_budget``: see :mod:`lightning_tbp.remat.budget`; in bytes it is the device's total,
+    from which the module's parameters and the state of ``optimizers`` (the state their first
+    step will make included) come off before the step is planned. ``host_tier``,
     ``host_budget_bytes`` and ``max_slowdown``: see :class:`Plan`. Raises
     :class:`~lightning_tbp.remat.solve.InfeasibleBudgetError` (a ``ValueError``) when no plan fits,
     :class:`~lightning_tbp.remat.solve.StallingPlanError` when the one that fits is too slow.
     Check it on a real step with :meth:`Plan.verify`.
     """
+    device = _device_of(module, example_args, example_kwargs)
     plan = Plan(
-        module, memory_budget, host_tier=host_tier, host_budget_bytes=host_budget_bytes, max_slowdown=max_slowdown
+        module,
+        memory_budget,
+        host_tier=host_tier,
+        host_budget_bytes=host_budget_bytes,
+        max_slowdown=max_slowdown,
+        held=partial(held_memory, module, tuple(optimizers), device) if optimizers else None,
     )
     try:
         with torch.enable_grad():

@@ -8,6 +8,7 @@ installing the plan is :class:`~lightning_tbp.remat.plan.Plan`'s job, reporting 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from lightning_tbp.remat.budget import MemoryBudget, device_level_ratio, format_
 from lightning_tbp.remat.options import Option
 from lightning_tbp.remat.signature import Signature
 from lightning_tbp.remat.simulate import SimResult, Simulator
-from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver
+from lightning_tbp.remat.solve import InfeasibleBudgetError, Solver, budget_for_peak
 from lightning_tbp.remat.step import NOTHING_ALONGSIDE, PLAIN_LOOP, Alongside, LoopModel, PriorGradients
 from lightning_tbp.remat.trace import Trace
 
@@ -169,13 +170,9 @@ def solve_shape(
             )
             explain(error)
             raise error
-        warnings.warn(
-            f"lightning_tbp: nothing to plan in {module_name}: it has no submodule with children of its own "
-            "(leaf layers such as a single Linear are not checkpointed, since that saves nothing); training runs "
-            "unchanged",
-            NothingToPlanWarning,
-            stacklevel=5,
-        )
+        # "auto" without a device limit is a default fraction: here the unplanned step is its minimum
+        if budget.is_fraction_default(device):
+            budget_bytes = max(budget_bytes, budget_for_peak(math.ceil(naive.peak_bytes * correction)))
         options, planned, solve_seconds = [Option.KEEP] * len(trace.nodes), naive, 0.0
     else:
         try:
@@ -188,11 +185,11 @@ def solve_shape(
             warnings.warn(
                 f"lightning_tbp: memory_budget='auto' means {budget.describe_resolved(device)} here, below what "
                 f"{module_name} can reach; planning at its minimum feasible budget "
-                f"{format_bytes(error.minimum_budget_bytes)} "
-                f"({error.minimum_budget_bytes / naive.peak_bytes:.3f} of naive) instead",
+                f"{format_bytes(error.minimum_step_bytes)} "
+                f"({error.minimum_step_bytes / naive.peak_bytes:.3f} of naive) instead",
                 stacklevel=5,
             )
-            budget_bytes = error.minimum_budget_bytes
+            budget_bytes = error.minimum_step_bytes
             solution = solver.solve(budget_bytes)
         options, planned, solve_seconds = solution.options, solution.result, solution.solve_seconds
     return ShapePlan(
@@ -244,15 +241,16 @@ def _explain(
     correction: float,
     loss: str,
 ) -> None:
+    if held is not None:
+        error.minimum_device_bytes = error.minimum_step_bytes + held.total
     if held is not None and budget.kind == "bytes":
-        error.minimum_device_bytes = error.minimum_budget_bytes + held.total
         error.add_note(
             f"the budget {budget.describe()} is the device's total, and training holds {describe_held(held)} "
             f"outside the step, which leaves "
             f"{format_room(budget_bytes)}"
             "; a device budget of "
-            f"{format_bytes(error.minimum_budget_bytes + held.total)} "
-            f"({error.minimum_budget_bytes + held.total} bytes) or more fits"
+            f"{format_bytes(error.minimum_step_bytes + held.total)} "
+            f"({error.minimum_step_bytes + held.total} bytes) or more fits"
         )
     if batch_ceiling is not None:
         error.add_note(

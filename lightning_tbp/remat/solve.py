@@ -90,28 +90,61 @@ def planning_target(budget_bytes: int) -> int:
 
 
 class InfeasibleBudgetError(ValueError):
-    """The memory budget is below the smallest peak any plan reaches."""
+    """The memory budget is below the smallest peak any plan reaches.
+
+    Its message advises a budget that, passed back, plans: a fraction of the naive peak, and in
+    bytes the device's total, :attr:`minimum_budget_bytes` (the step's own minimum,
+    :attr:`minimum_step_bytes`, and what training holds outside the step, once that is known)."""
 
     def __init__(self, budget_bytes: int, minimum_peak_bytes: int, naive_bytes: int, host_bytes: int = 0) -> None:
         """``host_bytes``: what the lowest plan keeps on the host tier (0: nothing)."""
         minimum = budget_for_peak(minimum_peak_bytes)
-        self.budget_bytes, self.minimum_budget_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
+        # in the step's frame: above what training holds outside it
+        self.budget_bytes, self.minimum_step_bytes, self.naive_bytes = budget_bytes, minimum, naive_bytes
         self.minimum_peak_bytes, self.host_bytes = minimum_peak_bytes, host_bytes
         self.minimum_device_bytes: int | None = None
-        """For a byte budget, the device's total that fits: the step's minimum and what training
-        holds outside it (with whatever the plan took to lower that); None otherwise."""
+        """The device's total that fits: the step's minimum and what training holds outside it
+        (with whatever the plan took to lower that); None until that is known."""
+        self._message: str | None = None
+        super().__init__(budget_bytes, minimum_peak_bytes, naive_bytes, host_bytes)
+
+    def freeze_message(self) -> None:
+        """Keep the message as it reads now, whatever the figures are changed to later."""
+        self._message = str(self)
+
+    @property
+    def minimum_budget_bytes(self) -> int:
+        """The least ``memory_budget`` in bytes that plans: the device's total where what training
+        holds outside the step is known (:attr:`minimum_device_bytes`), else the step's minimum."""
+        return self.minimum_step_bytes if self.minimum_device_bytes is None else self.minimum_device_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """What training holds outside the step, as the advised device total counts it (0: unknown)."""
+        return self.minimum_budget_bytes - self.minimum_step_bytes
+
+    @property
+    def advised_fraction(self) -> float:
+        """The fractional budget the message advises (rounded up to three places)."""
+        return math.ceil(self.minimum_step_bytes / self.naive_bytes * 1000) / 1000
+
+    def __str__(self) -> str:
+        if self._message is not None:
+            return self._message
         budget = (
-            f"memory budget {format_bytes(budget_bytes)}"
-            if budget_bytes >= 0
+            f"memory budget {format_bytes(self.budget_bytes)}"
+            if self.budget_bytes >= 0
             else "memory budget (none left for the step: see below)"
         )
-        host = f", keeping {format_bytes(host_bytes)} on the host tier" if host_bytes else ""
-        super().__init__(
-            f"{budget} is below the minimum feasible budget "
-            f"{format_bytes(minimum)} ({minimum / naive_bytes:.3f} of the naive peak "
-            f"{format_bytes(naive_bytes)}; the lowest plan peaks at {format_bytes(minimum_peak_bytes)}{host}, "
-            f"plus a {PLANNING_MARGIN:.0%} margin); pass memory_budget >= {minimum} (bytes) "
-            f"or >= {math.ceil(minimum / naive_bytes * 1000) / 1000:.3f} (fraction)"
+        host = f", keeping {format_bytes(self.host_bytes)} on the host tier" if self.host_bytes else ""
+        minimum, naive = self.minimum_step_bytes, self.naive_bytes
+        device = "" if self.minimum_device_bytes is None else ", the device's total"
+        lowest = format_bytes(self.minimum_peak_bytes)
+        return (
+            f"{budget} is below the minimum feasible budget {format_bytes(minimum)} ({minimum / naive:.3f} of the "
+            f"naive peak {format_bytes(naive)}; the lowest plan peaks at {lowest}{host}, plus a "
+            f"{PLANNING_MARGIN:.0%} margin); pass memory_budget >= {self.minimum_budget_bytes} (bytes{device}) "
+            f"or >= {self.advised_fraction:.3f} (fraction)"
         )
 
 

@@ -57,7 +57,7 @@ from lightning_tbp.strategies.loop import (
     release_gradients_before_validation,
     release_gradients_early,
 )
-from lightning_tbp.strategies.privacy import PerSampleLoss, PrivacyConfig, PrivateTraining
+from lightning_tbp.strategies.privacy import PrivacyConfig, PrivateTraining
 from lightning_tbp.strategies.state_on_host import part_on_host
 from lightning_tbp.strategies.step_in_backward import StepInBackward, blockers
 
@@ -674,7 +674,8 @@ class TinyBackpropMixin:
                 f"{shape_plan.level(shape_plan.budget_bytes)} on rank 0"
             )
         planning = step.planning_peak_bytes
-        if planning is not None and planning > shape_plan.budget_bytes:
+        limited = not self.plan.budget.is_fraction_default(self.root_device)  # "auto" on CPU is a default fraction
+        if planning is not None and planning > shape_plan.budget_bytes and limited:
             rank_zero_warn(
                 f"tiny_backprop: planning at training step {step.index} (the profile and the op and block timings, "
                 f"once per input shape) peaked at {shape_plan.level(planning)} above what training holds, over the "
@@ -685,15 +686,16 @@ class TinyBackpropMixin:
         return self._replan_if_over(shape_plan, step.lowest_bytes, predicted)
 
     @override
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        if self.privacy is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # Lightning's own chain; the loss's backward() at its end is the engine's (PerSampleLoss)
-        with self.privacy.backward_through(self.lightning_module.trainer):
-            super().backward(closure_loss.as_subclass(PerSampleLoss), optimizer, *args, **kwargs)
-        return closure_loss
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.privacy is not None:  # the loss's backward() at the chain's end is the engine's
+            self.privacy.backward_starting(closure_loss, self.lightning_module.trainer)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self.privacy is not None:
+            self.privacy.backward_abandoned()
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
@@ -725,6 +727,8 @@ class TinyBackpropMixin:
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.privacy is not None:
+            self.privacy.backward_ended()
         super().post_backward(closure_loss)
         if self.plan is None:
             return
@@ -783,8 +787,7 @@ class TinyBackpropMixin:
                 float(self.reduce(torch.tensor(v, device=self.root_device), reduce_op="max")) for v in (ratio, over)
             )
         if over and any(checked is planned for planned in self.plan.shape_plans.values()):
-            self.plan.correct(checked, ratio)
-            return True
+            return self.plan.correct(checked, ratio) is not None
         return False
 
     def loop_steps(self) -> list[dict[str, Any]]:

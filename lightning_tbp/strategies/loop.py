@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_tbp.compat import lightning_skips_backward
 from lightning_tbp.memory.held import local_bytes, optimizer_step_bytes, parameter_step_ratio
@@ -59,11 +60,21 @@ def gradients_observed_before_zero_grad(module: pl.LightningModule) -> bool:
 
 def release_gradients_early(module: pl.LightningModule, batch_idx: object) -> bool:
     """Free the last step's gradients now, before the forward, when Lightning would free them
-    after it (before the backward) and nothing can tell the difference; returns whether it did."""
+    after it (before the backward) and nothing can tell the difference; returns whether it did.
+
+    Lightning's own ``zero_grad`` still runs where it always does (a user's optimizer sees its
+    calls unchanged), and finds nothing left to free: so this is done only for optimizers whose
+    ``zero_grad`` is torch's, which with ``set_to_none=True`` (the stock hook's) only drops each
+    parameter's gradient, as done here."""
     if not lightning_zeroes_before_backward(module, batch_idx) or gradients_observed_before_zero_grad(module):
         return False
-    for optimizer in module.trainer.optimizers:
-        optimizer.zero_grad()  # what the stock ``LightningModule.optimizer_zero_grad`` calls
+    optimizers = module.trainer.optimizers
+    if any(type(optimizer).zero_grad is not Optimizer.zero_grad for optimizer in optimizers):
+        return False  # the optimizer's own zero_grad: only it knows what it does
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = None
     return True
 
 

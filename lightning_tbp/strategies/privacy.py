@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -69,18 +70,20 @@ class PrivacyBudgetExceededError(RuntimeError):
     """A step would take the run past its target ε (more steps than it was calibrated for)."""
 
 
-#: The DP backward of the step in progress: set by the strategy around Lightning's backward chain.
+#: The DP backward of the step in progress: set by the strategy while Lightning's backward chain runs.
 _STEP_BACKWARD: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("dp_step_backward", default=None)
 
 
 class PerSampleLoss(torch.Tensor):
-    """The per-sample loss as Lightning's backward chain sees it under DP: ``backward()`` clips.
+    """The per-sample loss while Lightning's backward chain runs under DP: ``backward()`` clips.
 
     Lightning ends its chain in ``LightningModule.backward``, which calls ``loss.backward()``. A
-    plain tensor would backpropagate once, unclipped; this view of the same tensor (same data,
-    same graph) runs the engine's backward instead, so the precision plugin, every hook and a
-    user's ``backward`` override stay in the chain. Arithmetic keeps the type (Lightning divides
-    the loss by ``accumulate_grad_batches``); outside a DP step its ``backward()`` refuses.
+    plain tensor would backpropagate once, unclipped. The strategy's ``pre_backward`` hook gives
+    the chain's loss this class (same tensor, same graph; :meth:`PrivateTraining.backward_starting`)
+    and its ``backward()`` runs the engine's backward instead, so the precision plugin, every hook
+    and a user's ``backward`` override stay in the chain, and the strategy overrides no step of
+    it. Arithmetic keeps the type (a ``backward`` override may scale the loss); the loss gets its
+    own class back as its backward starts, and outside a DP step ``backward()`` refuses.
     """
 
     @override
@@ -91,6 +94,7 @@ class PerSampleLoss(torch.Tensor):
         create_graph: bool = False,
         inputs: object = None,
     ) -> None:
+        self.__class__ = torch.Tensor
         step = _STEP_BACKWARD.get()
         if step is None:
             raise RuntimeError("this per-sample loss belongs to a DP step that has ended; backward() runs only once")
@@ -102,7 +106,7 @@ class PerSampleLoss(torch.Tensor):
                 "passes per-sample clipping needs. A LightningModule.backward override must call loss.backward()"
             )
         _STEP_BACKWARD.set(None)  # once per step
-        step(self.as_subclass(torch.Tensor))
+        step(self)
 
 
 #: Set while a DP step runs outside a Trainer (``tbp estimate``): ``training_step`` returns per sample.
@@ -142,6 +146,7 @@ class PrivateTraining:
         self.planned_steps = 0
         self.gradient_sum: Callable[[list[torch.Tensor]], None] | None = None
         self.callback = PrivacyCallback(self)
+        self._loss: torch.Tensor | None = None  # the loss of the backward chain in progress
 
     def setup(
         self,
@@ -207,19 +212,35 @@ class PrivateTraining:
         future = [(self.noise_multiplier, self.sample_rate, remaining)] if remaining else []
         return epsilon_of([*self.accountant.history, *future], self.config.target_delta, self.config.accountant)
 
-    @contextlib.contextmanager
-    def backward_through(self, trainer: pl.Trainer) -> Iterator[None]:
-        """While Lightning's backward chain runs, a :class:`PerSampleLoss`'s ``backward()`` is this step's."""
-        token = _STEP_BACKWARD.set(lambda loss: self.backward(loss, trainer))
-        try:
-            yield
-            if _STEP_BACKWARD.get() is not None:
-                raise RuntimeError(
-                    "the backward chain never called loss.backward(), so no sample's gradient was clipped: a "
-                    "LightningModule.backward override must call loss.backward() under DP"
-                )
-        finally:
-            _STEP_BACKWARD.reset(token)
+    def backward_starting(self, loss: torch.Tensor, trainer: pl.Trainer) -> None:
+        """Lightning's backward chain starts on ``loss``: its ``backward()`` is this step's
+        (:class:`PerSampleLoss`) until :meth:`backward_ended`."""
+        if type(loss) is not torch.Tensor:
+            raise TypeError(
+                f"under DP the loss Lightning backpropagates must be a plain tensor, got {type(loss).__name__}: "
+                "return the per-sample loss from training_step (or pass it to manual_backward) as a torch.Tensor"
+            )
+        loss.__class__ = PerSampleLoss
+        self._loss = loss
+        _STEP_BACKWARD.set(partial(self.backward, trainer=trainer))
+
+    def backward_ended(self) -> None:
+        """Lightning's backward chain is over; raises if it never called ``loss.backward()``."""
+        unclipped = _STEP_BACKWARD.get() is not None
+        self.backward_abandoned()
+        if unclipped:
+            raise RuntimeError(
+                "the backward chain never called loss.backward(), so no sample's gradient was clipped: a "
+                "LightningModule.backward override must call loss.backward() under DP"
+            )
+
+    def backward_abandoned(self) -> None:
+        """No DP backward is in progress any more (the chain ended, or raised): the loss gets its
+        own class back (if its backward has not given it already)."""
+        _STEP_BACKWARD.set(None)
+        loss, self._loss = self._loss, None
+        if isinstance(loss, PerSampleLoss):
+            loss.__class__ = torch.Tensor
 
     def backward(self, loss: torch.Tensor, trainer: pl.Trainer) -> None:
         if loss.dim() != 1:

@@ -761,7 +761,8 @@ def test_a_fine_tune_from_local_weights_is_estimated_from_their_config(config: s
             Image.new("RGB", (32, 32)).save(tmp_path / "images" / "a" / f"{index}.png")
         data = [f"--data.init_args.root={tmp_path / 'images'}", "--data.init_args.image_size=32"]
     else:
-        data = [f"--data.init_args.path={write_latents(tmp_path / 'latents.pt', samples=8)}"]
+        latents = write_latents(tmp_path / "latents.pt", samples=8)
+        data = ["--data=lightning_tbp.diffusion.LatentsDataModule", f"--data.init_args.path={latents}"]
     args = ["-c", str(ROOT / "configs" / config), f"--model.init_args.pretrained={tmp_path / 'weights'}", *data]
     dtype = torch.bfloat16 if "flux" in config else torch.float32  # the Flux config loads bf16 weights
     precision = [] if "flux" in config else ["--trainer.precision=32"]

@@ -213,7 +213,8 @@ def test_the_flux_lora_config_trains_on_a_device_smaller_than_its_weights(tmp_pa
     tiny_flux_dev().save_pretrained(tmp_path / "flux")
     write_latents(tmp_path / "z.pt", samples=8)
     command = ["fit", "-c", str(ROOT / "configs" / "finetune_flux_lora.yaml"), "--trainer.accelerator=cpu"]
-    command += [f"--model.init_args.pretrained={tmp_path / 'flux'}", f"--data.init_args.path={tmp_path / 'z.pt'}"]
+    command += [f"--model.init_args.pretrained={tmp_path / 'flux'}", "--data=lightning_tbp.diffusion.LatentsDataModule"]
+    command += [f"--data.init_args.path={tmp_path / 'z.pt'}"]
     command += ["--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0"]
     command += [
         "--data.init_args.val_fraction=0",

@@ -7,18 +7,26 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from diffusers import DDPMPipeline, DiTTransformer2DModel, SD3Transformer2DModel, UNet2DModel
+from diffusers import DDPMPipeline, DiffusionPipeline, DiTTransformer2DModel, SD3Transformer2DModel, UNet2DModel
 from lightning.fabric.utilities.throughput import measure_flops
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from PIL import Image
+from safetensors.torch import load_file
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_tbp.diffusion import DiffusionModule, DigitsDataModule, ImageFolderDataModule, load_lora
-from lightning_tbp.diffusion.models import build_model
+from lightning_tbp.diffusion.models import build_model, pipeline_directory
 from lightning_tbp.lightning_cli import run_lightning_cli
 from lightning_tbp.testing.zoo_models import ZOO
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def lora_tensors(model: torch.nn.Module) -> list[str]:
+    """The LoRA adapters' tensors a model holds (peft's ``lora_A``/``lora_B`` weights)."""
+    return [name for name, _ in model.named_parameters() if ".lora_A." in name or ".lora_B." in name]
+
+
 TINY_UNET = {
     "sample_size": 32,
     "block_out_channels": [16, 32],
@@ -75,13 +83,41 @@ def latent_models(tmp_path_factory) -> dict[str, Path]:
     return {"sd3": root / "sd3", "flux": root / "flux", "latents": write_latents(root / "latents.pt", samples=12)}
 
 
-def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, latent_models: dict[str, Path]) -> list[str]:
+@pytest.fixture(scope="module")
+def pipelines(tmp_path_factory) -> dict[str, Path]:
+    """Tiny pipeline folders of the captioned-image configs' families, and a captioned image folder."""
+    from lightning_tbp.testing.tiny_pipelines import CAPTIONS, write_captioned_images, write_tiny_pipeline
+
+    root = tmp_path_factory.mktemp("pipelines")
+    folders = {
+        family: write_tiny_pipeline(family, root / family, CAPTIONS, guidance_embeds=family == "flux")
+        for family in ("unet2d_condition", "sdxl", "sd3", "flux")
+    }
+    return {**folders, "images": write_captioned_images(root / "images")}
+
+
+def captioned_overrides(text: str, pipelines: dict[str, Path]) -> list[str]:
+    """A captioned-image config on a tiny pipeline of its family and tiny images."""
+    family = next(f for f in ("unet2d_condition", "sdxl", "sd3", "flux") if f"family: {f}" in text)
+    args = [f"--model.init_args.pretrained={pipelines[family]}", f"--data.init_args.root={pipelines['images']}"]
+    args += ["--data.init_args.resolution=32", "--data.init_args.bucket_step=16", "--data.init_args.batch_size=1"]
+    args += ["--model.init_args.sample_images=0", "--model.init_args.weights_dtype=null"]
+    if family in ("sd3", "flux"):
+        args.append("--data.init_args.max_sequence_length=16")
+    return args
+
+
+def config_overrides(
+    name: str, image_folder: Path, pretrained_unet: Path, latent_models: dict[str, Path], pipelines: dict[str, Path]
+) -> list[str]:
     """Shrink each recipe to a tiny model on tiny data; everything else stays as in the YAML."""
     text = (CONFIGS / name).read_text()
     image_data, latents = "ImageFolderDataModule" in text, "LatentsDataModule" in text
     channels = 3 if image_data else 1
     args = []
-    if latents:
+    if "CaptionedImagesDataModule" in text:
+        args += captioned_overrides(text, pipelines)
+    elif latents:
         args += [f"--data.init_args.path={latent_models['latents']}", "--data.init_args.batch_size=4"]
         args += ["--data.init_args.val_fraction=0.25", "--model.init_args.sample_images=0"]
         args += ["--model.init_args.weights_dtype=null"]  # the DP flag's run is in float32
@@ -90,7 +126,9 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, laten
         args += ["--data.init_args.batch_size=4", "--data.init_args.num_workers=0", "--data.init_args.val_fraction=0.2"]
     else:
         args += ["--data.init_args.batch_size=4"]
-    if "pretrained:" in text:
+    if "CaptionedImagesDataModule" in text:
+        pass  # its tiny pipeline is given above
+    elif "pretrained:" in text:
         family = "flux" if "family: flux" in text else "sd3"
         args.append(f"--model.init_args.pretrained={latent_models[family] if latents else pretrained_unet}")
     elif "family: dit" in text:
@@ -105,7 +143,7 @@ def config_overrides(name: str, image_folder: Path, pretrained_unet: Path, laten
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
 def test_every_config_runs_with_the_strategy_and_callback(
-    config, image_folder, pretrained_unet, latent_models, tmp_path
+    config, image_folder, pretrained_unet, latent_models, pipelines, tmp_path
 ) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
@@ -114,7 +152,7 @@ def test_every_config_runs_with_the_strategy_and_callback(
         "--model.init_args.sample_images=4",
         "--model.init_args.sample_steps=2",
     ]
-    args += config_overrides(config, image_folder, pretrained_unet, latent_models)
+    args += config_overrides(config, image_folder, pretrained_unet, latent_models, pipelines)
     cli = run_lightning_cli(args)
     module = cli.model
     assert cli.trainer.global_step == 1 and cli.trainer.strategy.plan.shape_plans  # planned (perhaps re-planned)
@@ -122,7 +160,15 @@ def test_every_config_runs_with_the_strategy_and_callback(
         assert module.last_sample_grid is not None and module.last_sample_grid.is_file()
     assert module.flops_per_batch > 0
     assert any(isinstance(c, Callback) and type(c).__name__ == "MemoryProfilerCallback" for c in cli.trainer.callbacks)
-    if module.family.name in latent_models:
+    pipeline = pipeline_directory(module.hparams.pretrained)
+    if pipeline is not None and module.lora is not None:  # the pipeline's own loader reads every adapter
+        pipe = DiffusionPipeline.from_pretrained(pipeline, local_files_only=True)
+        pipe.load_lora_weights(module.exported_to)
+        saved = load_file(str(module.exported_to / "pytorch_lora_weights.safetensors"))
+        assert len(lora_tensors(getattr(pipe, module.family.pipeline_subfolder))) == len(saved)
+    elif pipeline is not None:
+        DiffusionPipeline.from_pretrained(module.exported_to, local_files_only=True)
+    elif module.family.name in latent_models:
         load_lora(module.family.model_class.from_pretrained(latent_models[module.family.name]), module.exported_to)
     elif module.lora is not None:
         load_lora(UNet2DModel.from_pretrained(pretrained_unet), module.exported_to)
@@ -135,13 +181,17 @@ def test_every_config_runs_with_the_strategy_and_callback(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", sorted(p.name for p in CONFIGS.glob("*.yaml")))
-def test_every_config_runs_with_the_dp_flag(config, image_folder, pretrained_unet, latent_models, tmp_path) -> None:
+def test_every_config_runs_with_the_dp_flag(
+    config, image_folder, pretrained_unet, latent_models, pipelines, tmp_path
+) -> None:
     args = ["fit", "-c", str(CONFIGS / config), "--trainer.fast_dev_run=1", "--trainer.accelerator=cpu"]
     args += [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     args += ["--trainer.precision=32", "--model.init_args.sample_images=0"]
     args += ["--trainer.strategy=lightning_tbp.TinyBackpropStrategy", "--trainer.strategy.memory_budget=0.95"]
     args += ["--trainer.strategy.dp=ghost", "--trainer.strategy.noise_multiplier=1.0"]
-    args += config_overrides(config, image_folder, pretrained_unet, latent_models)
+    args += config_overrides(config, image_folder, pretrained_unet, latent_models, pipelines)
+    if "CaptionedImagesDataModule" in (CONFIGS / config).read_text():
+        args.append("--data.init_args.batch_size=4")  # every one of the 4 images sampled: the step plans
     cli = run_lightning_cli(args)
     privacy = cli.trainer.strategy.privacy
     assert cli.trainer.global_step == 1 and privacy.accountant.steps == 1 and 0 < privacy.epsilon() < float("inf")

@@ -1,5 +1,6 @@
 """Diffusion training with diffusers models: the LightningModule, data modules, sampling."""
 
+from lightning_tbp.diffusion.captioned_data import CaptionedImagesDataModule
 from lightning_tbp.diffusion.data import DigitsDataModule, ImageFolderDataModule, LatentsDataModule, images_in_batch
 from lightning_tbp.diffusion.lora import LoraOptions, add_lora, load_lora, save_lora
 from lightning_tbp.diffusion.models import FAMILIES, build_model, small_unet_config
@@ -8,6 +9,7 @@ from lightning_tbp.diffusion.sampling import sample, save_image_grid
 
 __all__ = [
     "FAMILIES",
+    "CaptionedImagesDataModule",
     "DiffusionModule",
     "DigitsDataModule",
     "ImageFolderDataModule",

@@ -16,6 +16,7 @@ import json
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from torch import nn
 
@@ -90,8 +91,7 @@ def save_lora(model: nn.Module, directory: str | Path) -> Path:
     import safetensors.torch
     from peft.utils import get_peft_model_state_dict
 
-    config = model.peft_config["default"].to_dict()
-    config = {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+    config = adapter_config(model)
     weights = {name: tensor.detach().contiguous().cpu() for name, tensor in get_peft_model_state_dict(model).items()}
     path = Path(directory) / WEIGHT_NAME
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,8 +100,53 @@ def save_lora(model: nn.Module, directory: str | Path) -> Path:
     return path
 
 
+LoraFormat = Literal["diffusers", "kohya"]
+#: The kohya-format file :func:`save_pipeline_lora` writes beside diffusers' (what A1111 and
+#: ComfyUI read as ``lora_unet_*`` keys with ``lora_down``/``lora_up`` and ``.alpha``).
+KOHYA_WEIGHT_NAME = "lora_kohya.safetensors"
+
+
+def adapter_config(model: nn.Module) -> dict[str, Any]:
+    """The model's peft adapter config as JSON-able values (what the metadata key holds)."""
+    config = model.peft_config["default"].to_dict()
+    return {key: sorted(value) if isinstance(value, set) else value for key, value in config.items()}
+
+
+def save_pipeline_lora(
+    model: nn.Module, directory: str | Path, pipeline_type: Any, component: str, lora_format: LoraFormat = "diffusers"
+) -> Path:
+    """Write ``model``'s adapters with its pipeline's own ``save_lora_weights``, so the keys carry
+    the component prefix (``unet.``, ``transformer.``) that ``pipeline.load_lora_weights`` looks
+    for (a file without it loads as nothing, with only a logged warning), and the adapter config
+    in the file's metadata. ``lora_format="kohya"``: also the kohya layout, for the U-Nets (SD,
+    SDXL), beside it (:data:`KOHYA_WEIGHT_NAME`). Returns diffusers' file."""
+    from peft.utils import get_peft_model_state_dict
+
+    if lora_format == "kohya" and component != "unet":
+        raise ValueError(f"lora_format='kohya' writes U-Net keys (lora_unet_*), not {component!r}'s")
+    directory = Path(directory)
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in get_peft_model_state_dict(model).items()}
+    config = adapter_config(model)
+    pipeline_type.save_lora_weights(
+        directory,
+        **{f"{component}_lora_layers": state, f"{component}_lora_adapter_metadata": config},
+        safe_serialization=True,
+    )
+    if lora_format == "kohya":
+        import safetensors.torch
+        import torch
+        from diffusers.utils import convert_state_dict_to_kohya
+
+        kohya = convert_state_dict_to_kohya({f"unet.{name}": tensor for name, tensor in state.items()})
+        alpha = float(config["lora_alpha"])
+        kohya = {key: torch.tensor(alpha) if key.endswith(".alpha") else value for key, value in kohya.items()}
+        safetensors.torch.save_file(kohya, str(directory / KOHYA_WEIGHT_NAME), metadata={"format": "pt"})
+    return directory / WEIGHT_NAME
+
+
 def load_lora(model: nn.Module, directory: str | Path) -> nn.Module:
-    """Inject the adapters saved in ``directory`` (by :func:`save_lora` or diffusers) into ``model``."""
+    """Inject the adapters saved in ``directory`` (by :func:`save_lora`, :func:`save_pipeline_lora`
+    or diffusers, with or without a component prefix) into ``model``."""
     import safetensors
     import safetensors.torch
     from peft import LoraConfig, inject_adapter_in_model
@@ -114,8 +159,13 @@ def load_lora(model: nn.Module, directory: str | Path) -> nn.Module:
         metadata = (handle.metadata() or {}).get(METADATA_KEY)
     if metadata is None:
         raise ValueError(f"{path} has no '{METADATA_KEY}' metadata: its rank and targets are unknown")
-    inject_adapter_in_model(LoraConfig(**json.loads(metadata)), model)
-    result = set_peft_model_state_dict(model, safetensors.torch.load_file(str(path)))
+    config, weights = json.loads(metadata), safetensors.torch.load_file(str(path))
+    prefixes = {name.split(".", 1)[0] for name in weights}
+    if len(prefixes) == 1 and (prefix := prefixes.pop()) in ("unet", "transformer"):  # a pipeline's file
+        weights = {name.removeprefix(f"{prefix}."): tensor for name, tensor in weights.items()}
+        config = config.get(prefix, {key.removeprefix(f"{prefix}."): value for key, value in config.items()})
+    inject_adapter_in_model(LoraConfig(**config), model)
+    result = set_peft_model_state_dict(model, weights)
     missing = [key for key in result.missing_keys if "lora_" in key]
     if result.unexpected_keys or missing:
         raise ValueError(f"{path} does not fit {type(model).__name__}: {result.unexpected_keys or missing}")

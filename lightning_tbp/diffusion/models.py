@@ -73,6 +73,17 @@ def _call_conditional_unet(
     return model(noisy, timesteps, encoder_hidden_states=states).sample
 
 
+SDXL_CONDITIONING = ("encoder_hidden_states", "text_embeds", "time_ids")
+
+
+def _call_sdxl(model: nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """SDXL's U-Net: the text states, and its added conditioning, the pooled text embedding and
+    ``time_ids`` (original size, crop's top-left, target size: six numbers per sample)."""
+    states, pooled, time_ids = _conditioning(model, batch, SDXL_CONDITIONING)
+    added = {"text_embeds": pooled, "time_ids": time_ids}
+    return model(noisy, timesteps, encoder_hidden_states=states, added_cond_kwargs=added).sample
+
+
 SD3_CONDITIONING = ("encoder_hidden_states", "pooled_projections")
 
 
@@ -136,6 +147,7 @@ FAMILIES = {
         _call_conditional_unet,
         conditioning=("encoder_hidden_states",),
     ),
+    "sdxl": Family("sdxl", UNet2DConditionModel, "unet", _call_sdxl, conditioning=SDXL_CONDITIONING),
     "sd3": Family("sd3", SD3Transformer2DModel, "transformer", _call_sd3, "flow", SD3_CONDITIONING, 3.0),
     "flux": Family("flux", FluxTransformer2DModel, "transformer", _call_flux, "flow", SD3_CONDITIONING),
 }
@@ -231,3 +243,20 @@ def small_unet_config(image_size: int = 32, channels: int = 1) -> dict[str, Any]
         "up_block_types": ("UpBlock2D", "AttnUpBlock2D", "UpBlock2D"),
         "attention_head_dim": 8,
     }
+
+
+def pipeline_directory(pretrained: str | os.PathLike[str] | None) -> Path | None:
+    """``pretrained`` where it is a whole pipeline folder (``model_index.json``), else None."""
+    if pretrained is None:
+        return None
+    folder = Path(pretrained)
+    return folder if (folder / "model_index.json").is_file() else None
+
+
+def scheduler_config(pretrained: str | os.PathLike[str] | None) -> dict[str, Any]:
+    """The noise schedule a pretrained pipeline was trained with (its ``scheduler`` subfolder's
+    config: beta schedule, prediction type, timestep spacing), or {} where ``pretrained`` has none."""
+    if pretrained is None:
+        return {}
+    path = Path(pretrained) / "scheduler" / "scheduler_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}

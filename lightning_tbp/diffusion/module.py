@@ -28,9 +28,18 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from typing_extensions import override
 
 from lightning_tbp.compat import unset_fake_temporarily
-from lightning_tbp.diffusion.lora import LoraOptions, add_lora, lora_options, save_lora
-from lightning_tbp.diffusion.models import WeightsDtype, build_model, sample_input_channels, sample_size
+from lightning_tbp.diffusion.lora import LoraFormat, LoraOptions, add_lora, lora_options, save_lora, save_pipeline_lora
+from lightning_tbp.diffusion.models import (
+    WeightsDtype,
+    build_model,
+    pipeline_directory,
+    sample_input_channels,
+    sample_size,
+    scheduler_config,
+)
 from lightning_tbp.diffusion.models import family as family_spec
+from lightning_tbp.diffusion.pipeline_io import render_prompts, write_pipeline
+from lightning_tbp.diffusion.pipelines import KINDS
 from lightning_tbp.diffusion.quantized_base import BaseQuantization, quantize_base
 from lightning_tbp.diffusion.sampling import sample, save_image_grid
 from lightning_tbp.diffusion.sharded import gathered_copy, is_sharded, shard_like
@@ -67,9 +76,16 @@ class DiffusionModule(L.LightningModule):
             ``"bfloat16"`` here halves the host memory the load takes (a Flux transformer's 12B
             weights: 44 GiB in float32, 22 GiB in bfloat16).
         prediction_type: ``"epsilon"`` (predict the noise) or ``"v_prediction"`` (DDPM families;
-            a flow family predicts the velocity).
+            a flow family predicts the velocity). None: the pretrained pipeline's scheduler's
+            (its ``scheduler/scheduler_config.json``), else epsilon.
         num_train_timesteps, beta_schedule: the DDPM noise schedule (a flow family's timesteps
-            are its noise levels times ``num_train_timesteps``).
+            are its noise levels times ``num_train_timesteps``). None: the pretrained pipeline's
+            scheduler's (SD's ``scaled_linear`` 0.00085-0.012, its spacing and offset), else
+            1000 steps, linear.
+        noise_offset: DDPM families: add this times a per-channel normal to the noise (offset
+            noise: lets the model learn overall brightness, very dark and bright images).
+        snr_gamma: DDPM families: weight each sample's loss by min(SNR, gamma) / SNR (epsilon) or
+            min(SNR, gamma) / (SNR + 1) (v-prediction): min-SNR-gamma, 5 in its paper.
         guidance_embedding: the value a Flux transformer with a guidance embedding (FLUX.1-dev)
             is given in training (diffusers' Flux LoRA script: 3.5); required there, refused
             elsewhere.
@@ -94,6 +110,16 @@ class DiffusionModule(L.LightningModule):
         lora_target_modules: names (or name suffixes) of the layers to adapt; default the
             attention projections ``to_q``, ``to_k``, ``to_v``, ``to_out.0``.
         lora_dropout: dropout on the adapters' input.
+        lora_format: ``"diffusers"`` (default) or ``"kohya"``: with a pipeline folder as
+            ``pretrained``, the adapters are written with the pipeline's ``save_lora_weights``
+            (the ``unet.``/``transformer.`` prefix ``load_lora_weights`` needs); ``"kohya"`` also
+            writes ``lora_kohya.safetensors`` (A1111, ComfyUI; the U-Net families). A full
+            fine-tune of a pipeline folder is written as a whole pipeline folder.
+        validation_prompts: prompts rendered through the whole pipeline (its text encoders and
+            VAE from ``pretrained``, the current weights: EMA or LoRA included) after each
+            validation, into ``samples/prompts_<step>.png``; with ``validation_steps`` denoising
+            steps at ``validation_resolution`` (default: the family's native side) and
+            ``guidance_scale``.
         base_quantization: with ``lora_rank``, store the frozen base's ``Linear`` weights as
             ``"int8"`` (torchao weight-only int8) or ``"nf4"`` (QLoRA's 4-bit NormalFloat):
             about a half or a quarter of their bytes. Changes the numerics (the adapters learn on
@@ -102,13 +128,15 @@ class DiffusionModule(L.LightningModule):
 
     def __init__(
         self,
-        family: Literal["unet2d", "dit", "unet2d_condition", "sd3", "flux"] = "unet2d",
+        family: Literal["unet2d", "dit", "unet2d_condition", "sdxl", "sd3", "flux"] = "unet2d",
         model_config: dict[str, Any] | None = None,
         pretrained: str | None = None,
         weights_dtype: WeightsDtype | None = None,
-        prediction_type: Literal["epsilon", "v_prediction"] = "epsilon",
-        num_train_timesteps: int = 1000,
-        beta_schedule: str = "linear",
+        prediction_type: Literal["epsilon", "v_prediction"] | None = None,
+        num_train_timesteps: int | None = None,
+        beta_schedule: str | None = None,
+        noise_offset: float = 0.0,
+        snr_gamma: float | None = None,
         flow_shift: float | None = None,
         guidance_embedding: float | None = None,
         lr: float = 1e-4,
@@ -127,18 +155,39 @@ class DiffusionModule(L.LightningModule):
         lora_alpha: float | None = None,
         lora_target_modules: list[str] | None = None,
         lora_dropout: float = 0.0,
+        lora_format: LoraFormat = "diffusers",
         base_quantization: BaseQuantization | None = None,
+        validation_prompts: list[str] | None = None,
+        validation_steps: int = 20,
+        validation_resolution: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        if prediction_type not in ("epsilon", "v_prediction"):
+        if prediction_type not in (None, "epsilon", "v_prediction"):
             raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
+        if lora_format not in ("diffusers", "kohya"):
+            raise ValueError(f"lora_format must be 'diffusers' or 'kohya', got {lora_format!r}")
+        if snr_gamma is not None and snr_gamma <= 0:
+            raise ValueError(f"snr_gamma must be positive, got {snr_gamma}")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
             raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.family = family_spec(family)
-        if self.family.objective == "flow" and prediction_type != "epsilon":
+        if lora_format == "kohya" and self.family.pipeline_subfolder != "unet":
             raise ValueError(
-                f"family {family!r} trains by rectified flow (it predicts the velocity): no prediction_type"
+                f"lora_format='kohya' writes U-Net keys (lora_unet_*), for the U-Net families; {family!r} is a "
+                "transformer, whose LoRA ComfyUI and diffusers read in diffusers' format (lora_format='diffusers')"
+            )
+        if self.family.objective == "flow" and (prediction_type, beta_schedule, snr_gamma) != (None, None, None):
+            raise ValueError(
+                f"family {family!r} trains by rectified flow (it predicts the velocity): no prediction_type, "
+                "beta_schedule or snr_gamma"
+            )
+        if self.family.objective == "flow" and noise_offset:
+            raise ValueError(f"noise_offset is a DDPM family's option; family {family!r} trains by rectified flow")
+        if validation_prompts and pipeline_directory(pretrained) is None:
+            raise ValueError(
+                "validation_prompts are rendered through the pretrained pipeline (its text encoders and VAE): "
+                "pretrained must be a pipeline folder (model_index.json)"
             )
         if guidance_embedding is not None and family != "flux":
             raise ValueError(f"guidance_embedding is a Flux transformer's input; family {family!r} has none")
@@ -173,11 +222,13 @@ class DiffusionModule(L.LightningModule):
             shift = self.family.flow_shift if flow_shift is None else flow_shift
             with unset_fake_temporarily():
                 self.noise_scheduler = FlowMatchEulerDiscreteScheduler(
-                    num_train_timesteps=num_train_timesteps, shift=shift
+                    num_train_timesteps=num_train_timesteps or 1000, shift=shift
                 )
         else:
-            self.noise_scheduler = DDPMScheduler(
-                num_train_timesteps=num_train_timesteps, beta_schedule=beta_schedule, prediction_type=prediction_type
+            given = {"num_train_timesteps": num_train_timesteps, "beta_schedule": beta_schedule}
+            given["prediction_type"] = prediction_type
+            self.noise_scheduler = DDPMScheduler.from_config(
+                {**scheduler_config(pretrained), **{k: v for k, v in given.items() if v is not None}}
             )
         self.ema: AveragedModel | None = None
         if ema_decay is not None:
@@ -189,20 +240,37 @@ class DiffusionModule(L.LightningModule):
             self.ema.requires_grad_(False)
         self.flops_per_batch: int | None = None
         self.last_sample_grid: Path | None = None
+        self.last_prompt_grid: Path | None = None
         self.exported_to: Path | None = None
         self._sample_conditioning: dict[str, torch.Tensor] | None = None
 
     # -- training ------------------------------------------------------------------------------
 
     def diffusion_loss(self, batch: dict[str, Any]) -> torch.Tensor:
-        """Per-sample denoising loss, shape [B]: the mean squared error of each sample's prediction."""
+        """Per-sample denoising loss, shape [B]: the mean squared error of each sample's prediction
+        (weighted by min-SNR-gamma where ``snr_gamma`` is set)."""
         images = batch["images"]
         noise = torch.randn_like(images)
+        if self.hparams.noise_offset:
+            offset = torch.randn(*images.shape[:2], *([1] * (images.dim() - 2)), device=images.device)
+            noise = noise + self.hparams.noise_offset * offset.to(noise.dtype)
         noised = self._flow_point if self.family.objective == "flow" else self._ddpm_point
         noisy, timesteps, target = noised(images, noise)
         prediction = self.family.call(self.model, noisy, timesteps, self._guided(batch)).float()
         squared_error = F.mse_loss(prediction, target.float(), reduction="none")
-        return squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+        per_sample = squared_error.mean(dim=tuple(range(1, squared_error.dim())))
+        if self.hparams.snr_gamma is None:
+            return per_sample
+        return per_sample * self._min_snr_weights(timesteps).to(per_sample.device)
+
+    def _min_snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """min(SNR, gamma) / SNR (epsilon targets) or / (SNR + 1) (v targets), SNR = a / (1 - a)
+        of the scheduler's cumulative alpha at each sample's timestep (Hang et al., 2303.09556)."""
+        alphas = self.noise_scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+        snr = alphas / (1 - alphas)
+        clipped = snr.clamp(max=float(self.hparams.snr_gamma))
+        v_targets = self.noise_scheduler.config.prediction_type == "v_prediction"
+        return clipped / (snr + 1) if v_targets else clipped / snr
 
     def _ddpm_point(self, images: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A DDPM training point: the noisy input at a uniform timestep, and its target (the noise,
@@ -211,7 +279,7 @@ class DiffusionModule(L.LightningModule):
             0, self.noise_scheduler.config.num_train_timesteps, (images.shape[0],), device=images.device
         )
         noisy = self.noise_scheduler.add_noise(images, noise, timesteps)
-        if self.hparams.prediction_type == "epsilon":
+        if self.noise_scheduler.config.prediction_type == "epsilon":
             return noisy, timesteps, noise
         return noisy, timesteps, self.noise_scheduler.get_velocity(images, noise, timesteps)
 
@@ -235,7 +303,8 @@ class DiffusionModule(L.LightningModule):
 
     @override
     def on_train_batch_start(self, batch: dict[str, Any], batch_idx: int) -> None:
-        if self.hparams.compute_flops and self.flops_per_batch is None:
+        # A Poisson-sampled (DP) batch may be empty; SDXL's conditioning cannot reshape one.
+        if self.hparams.compute_flops and self.flops_per_batch is None and len(batch["images"]):
             self.flops_per_batch = self._measure_flops(batch)
 
     @override
@@ -374,9 +443,13 @@ class DiffusionModule(L.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
-        if self.trainer.sanity_checking or self.hparams.sample_images <= 0:
+        if self.trainer.sanity_checking:
             return
         root = self._output_root()  # every rank asks: on several devices Lightning broadcasts it
+        if self.hparams.validation_prompts and self.trainer.is_global_zero:
+            self._render_validation_prompts(root)
+        if self.hparams.sample_images <= 0:
+            return
         sharded = is_sharded(self.model)
         if not (self.trainer.is_global_zero or sharded):
             return
@@ -389,6 +462,25 @@ class DiffusionModule(L.LightningModule):
         if hasattr(experiment, "add_image"):
             experiment.add_image("samples", (images[:, :3] + 1) / 2, self.global_step, dataformats="NCHW")
         rank_zero_info(f"DiffusionModule: sample grid written to {path}")
+
+    def _render_validation_prompts(self, root: str) -> None:
+        """The validation prompts through the whole pretrained pipeline with the current weights."""
+        pipeline = pipeline_directory(self.hparams.pretrained)
+        kind = KINDS[self.family.name]
+        assert pipeline is not None
+        with self.inference_model() as model:
+            images = render_prompts(
+                pipeline,
+                kind,
+                model,
+                list(self.hparams.validation_prompts),
+                steps=self.hparams.validation_steps,
+                resolution=self.hparams.validation_resolution or kind.native_resolution,
+                guidance_scale=self.hparams.guidance_scale,
+            )
+        path = Path(root) / "samples" / f"prompts_{self.global_step:06d}.png"
+        self.last_prompt_grid = save_image_grid(images, path)
+        rank_zero_info(f"DiffusionModule: validation prompts rendered to {path}")
 
     # -- export -----------------------------------------------------------------------------------
 
@@ -408,7 +500,10 @@ class DiffusionModule(L.LightningModule):
         ``unet2d`` becomes a ``DDPMPipeline`` folder; the other families a pipeline-style folder
         with the model in ``transformer``/``unet`` and the scheduler in ``scheduler``. Under LoRA
         only the adapters are written (``pytorch_lora_weights.safetensors``, diffusers' format):
-        the base weights are the pretrained folder's.
+        the base weights are the pretrained folder's; with a pipeline folder as ``pretrained``
+        through the pipeline's ``save_lora_weights`` (its component prefix, which
+        ``load_lora_weights`` needs). A full fine-tune of a pipeline folder writes a whole
+        pipeline folder: its other components copied, the trained denoiser in place of its own.
         """
         directory = Path(directory)
         with self.inference_model() as model:
@@ -416,8 +511,14 @@ class DiffusionModule(L.LightningModule):
                 model = gathered_copy(model, self._unsharded_model, self.trainer.is_global_zero)
                 if model is None:
                     return directory
-            if self.lora is not None:
+            pipeline = pipeline_directory(self.hparams.pretrained)
+            kind = KINDS.get(self.family.name)
+            if self.lora is not None and kind is not None and pipeline is not None:
+                save_pipeline_lora(model, directory, kind.pipeline_type(), kind.denoiser, self.hparams.lora_format)
+            elif self.lora is not None:
                 save_lora(model, directory)
+            elif kind is not None and pipeline is not None:
+                write_pipeline(pipeline, kind.denoiser, model, directory)
             elif self.family.name == "unet2d":
                 DDPMPipeline(unet=model, scheduler=self.noise_scheduler).save_pretrained(directory)
             else:

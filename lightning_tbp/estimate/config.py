@@ -125,6 +125,8 @@ def _estimate_config(
     def build() -> TrainingStep:
         cli, accelerator = _cli_without_the_device(args, device)
         trainer, module, data = cli.trainer, cli.model, cli.datamodule
+        if hasattr(data, "use_module"):  # a datamodule that reads its pipeline from the module's (captioned images)
+            data.use_module(module)
         if data is None or not hasattr(data, "example_batch"):
             raise EstimateConfigError(
                 f"the datamodule {type(data).__name__} has no example_batch() method: an estimate needs a training "

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import gc
 import pickle
+import subprocess
+import sys
 import warnings
 from unittest import mock
 
@@ -174,3 +176,18 @@ def test_corrections_are_bounded_and_the_last_plan_is_kept_with_one_warning() ->
         assert plan.correct(kept, 1.02) is None  # settled: said once
     assert list(plan.shape_plans.values()) == [kept]
     plan.remove()
+
+
+def test_importing_the_diffusion_package_is_quiet() -> None:
+    """torchao, when installed, is imported before diffusers and peft import it: its import-time
+    warnings about CUDA extensions a CPU run never loads, and diffusers' about tensor classes a
+    newer torchao moved, are not printed."""
+    pytest.importorskip("torchao")
+    started = subprocess.run(
+        [sys.executable, "-c", "import lightning_tbp.diffusion, peft, transformers"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    noise = [line for line in started.stderr.splitlines() if "torchao" in line or "_pytree" in line]
+    assert not noise, noise

@@ -35,6 +35,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_tbp.memory.breakdown import tensor_bytes
+from lightning_tbp.optional_imports import import_torchao
 from lightning_tbp.remat.record import dequantized
 
 BaseQuantization = Literal["int8", "nf4"]
@@ -67,7 +68,7 @@ def quantize_base(model: nn.Module, kind: str) -> QuantizedBase:
     if kind not in QUANTIZATIONS:
         raise ValueError(f"base_quantization must be one of {', '.join(QUANTIZATIONS)}, got {kind!r}")
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        quantization = import_torchao("torchao.quantization")
     except ImportError as error:
         raise ImportError(
             "base_quantization needs torchao: pip install 'lightning-tbp[lowbit]' (or torchao)"
@@ -83,7 +84,9 @@ def quantize_base(model: nn.Module, kind: str) -> QuantizedBase:
         raise ValueError(f"base_quantization={kind!r}: {type(model).__name__} has no Linear layer it can quantize")
     with torch.no_grad():
         if kind == "int8":
-            quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, _: module in quantized)
+            quantization.quantize_(
+                model, quantization.Int8WeightOnlyConfig(), filter_fn=lambda module, _: module in quantized
+            )
         else:
             for layer in quantized:
                 _to_nf4(layer)
@@ -145,7 +148,7 @@ def _nf4_scaler_block(numel: int) -> int | None:
 
 
 def _to_nf4(layer: nn.Linear) -> None:
-    from torchao.quantization import NF4Tensor
+    NF4Tensor = import_torchao("torchao.quantization").NF4Tensor
 
     scaler_block = _nf4_scaler_block(layer.weight.numel())
     assert scaler_block is not None, "a layer that cannot be NF4 is skipped"

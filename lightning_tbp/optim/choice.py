@@ -9,13 +9,13 @@ is an error that says how to install it.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 import torch
 
 from lightning_tbp.compat import step_unobserved, unset_fake_temporarily
+from lightning_tbp.optional_imports import import_torchao
 
 OptimizerName = Literal["adamw", "adamw8bit", "adamw4bit", "adafactor"]
 OPTIMIZER_NAMES: tuple[str, ...] = ("adamw", "adamw8bit", "adamw4bit", "adafactor")
@@ -34,7 +34,7 @@ def make_optimizer(
         return torch.optim.Adafactor(params, lr=lr, weight_decay=weight_decay)
     if name in _TORCHAO:
         try:
-            optim = importlib.import_module("torchao.optim")
+            optim = import_torchao("torchao.optim")
         except ImportError as error:
             raise ImportError(
                 f"optimizer={name!r} is torchao's {_TORCHAO[name]}, and torchao is not installed ({error}): "

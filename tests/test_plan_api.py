@@ -1,10 +1,13 @@
 """The framework-free entry point: install, report, re-plan per shape, remove."""
 
 import json
+import re
 import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from models import CASES, make_case, mlp_chain, parameter_bytes, training_step
 from processes import run_in_a_gloo_group_of_one
 from torch import nn
@@ -105,6 +108,33 @@ def test_infeasible_budget_names_the_minimum() -> None:
     plan = rematerialize(model, *args, memory_budget=error.minimum_budget_bytes, **kwargs)
     assert plan.current.predicted_peak_bytes <= error.minimum_step_bytes
     plan.remove()
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    depth=st.integers(2, 6),
+    width=st.sampled_from([16, 48, 96]),
+    batch=st.integers(1, 24),
+    asked=st.sampled_from(["1KiB", 0.01, 0.05]),
+)
+def test_the_advice_of_a_refusal_passed_back_plans(depth, width, batch, asked) -> None:
+    """Whatever the model and however low the budget asked, the figures the refusal's message
+    advises (parsed from its text, as a user reads them) plan when passed back."""
+    blocks = [nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(depth)]
+    model = nn.Sequential(*blocks)
+    x = torch.randn(batch, width)
+    try:
+        rematerialize(model, x, memory_budget=asked).remove()
+        return  # the asked budget was feasible for this one: nothing to advise
+    except InfeasibleBudgetError as error:
+        message = str(error)
+    advised_bytes = int(re.search(r"memory_budget >= (\d+) \(bytes", message).group(1))
+    fraction = re.search(r"or >= ([\d.]+) \(fraction\)", message)
+    assert fraction is not None or "no fraction" in message  # a fraction above 1 is never advised
+    for advised in (advised_bytes, *([float(fraction.group(1))] if fraction else [])):
+        plan = rematerialize(model, x, memory_budget=advised)
+        assert plan.current is not None
+        plan.remove()
 
 
 def test_malformed_budget_is_a_value_error() -> None:

@@ -140,11 +140,16 @@ class InfeasibleBudgetError(ValueError):
         minimum, naive = self.minimum_step_bytes, self.naive_bytes
         device = "" if self.minimum_device_bytes is None else ", the device's total"
         lowest = format_bytes(self.minimum_peak_bytes)
+        fraction = (
+            f"or >= {self.advised_fraction:.3f} (fraction)"
+            if self.advised_fraction <= 1
+            else "(no fraction of the naive peak reaches it: a fraction is at most 1)"
+        )
         return (
             f"{budget} is below the minimum feasible budget {format_bytes(minimum)} ({minimum / naive:.3f} of the "
             f"naive peak {format_bytes(naive)}; the lowest plan peaks at {lowest}{host}, plus a "
             f"{PLANNING_MARGIN:.0%} margin); pass memory_budget >= {self.minimum_budget_bytes} (bytes{device}) "
-            f"or >= {self.advised_fraction:.3f} (fraction)"
+            + fraction
         )
 
 

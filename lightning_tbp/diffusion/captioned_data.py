@@ -38,7 +38,7 @@ from typing_extensions import override
 from lightning_tbp.diffusion.buckets import Bucket, Placement, bucket_sizes, fill, place
 from lightning_tbp.diffusion.captioned_folder import MissingCaption, Unreadable, scan_folder
 from lightning_tbp.diffusion.encoding_cache import EncodingCache, entry_key
-from lightning_tbp.diffusion.image_files import load_rgb
+from lightning_tbp.diffusion.image_files import load_rgb, to_pixels
 from lightning_tbp.diffusion.pipelines import (
     PipelineKind,
     components_identity,
@@ -91,7 +91,7 @@ class _Cached(Dataset):
 def _encode_images(pipeline: Any, batch: list[tuple[Path, Placement]]) -> list[dict[str, torch.Tensor]]:
     """Each image of ``batch`` filled into its bucket and encoded to latents by the pipeline's VAE."""
     return [
-        {"latents": encode_images(pipeline.vae, _pixels(fill(load_rgb(path), placement))[None])[0]}
+        {"latents": encode_images(pipeline.vae, to_pixels(fill(load_rgb(path), placement))[None])[0]}
         for path, placement in batch
     ]
 
@@ -372,9 +372,3 @@ class _First(Sampler[list[int]]):
 
     def __len__(self) -> int:
         return min(self.limit, len(self.batches))  # type: ignore[arg-type]
-
-
-def _pixels(image: Any) -> torch.Tensor:
-    """An RGB image as a [3, H, W] tensor in [-1, 1]."""
-    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-    return data.view(image.height, image.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0

@@ -14,14 +14,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, random_split
 from typing_extensions import override
 
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff"})
+from lightning_tbp.diffusion.image_files import IMAGE_SUFFIXES, UnreadableImageError, load_rgb, to_pixels
 
 
 def images_in_batch(batch: dict[str, Any]) -> int:
@@ -231,18 +230,14 @@ class ImageFolder(Dataset):
 
     def _load(self, path: Path) -> torch.Tensor:
         try:
-            with Image.open(path) as image:
-                image = image.convert("RGB" if self.channels == 3 else "L")
-                scale = self.image_size / min(image.size)
-                size = (
-                    max(self.image_size, round(image.width * scale)),
-                    max(self.image_size, round(image.height * scale)),
-                )
-                image = image.resize(size, Image.Resampling.BICUBIC)
-                array = np.asarray(image, dtype=np.float32)
-        except (UnidentifiedImageError, OSError) as error:
+            image = load_rgb(path)
+        except UnreadableImageError as error:
             raise ValueError(f"cannot read image {path}: {error}") from error
-        pixels = torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1)
+        if self.channels == 1:
+            image = image.convert("L")
+        scale = self.image_size / min(image.size)
+        size = (max(self.image_size, round(image.width * scale)), max(self.image_size, round(image.height * scale)))
+        pixels = to_pixels(image.resize(size, Image.Resampling.BICUBIC))
         height, width = pixels.shape[1:]
         if self.center_crop:
             top, left = (height - self.image_size) // 2, (width - self.image_size) // 2
@@ -252,7 +247,7 @@ class ImageFolder(Dataset):
         pixels = pixels[:, top : top + self.image_size, left : left + self.image_size]
         if self.random_flip and torch.rand(()) < 0.5:
             pixels = pixels.flip(-1)
-        return pixels / 127.5 - 1.0
+        return pixels
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         path, label = self.files[index]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
+import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 #: The suffixes taken as images when a folder is scanned.
@@ -65,3 +66,9 @@ def _scaled_to_bytes(image: Image.Image) -> Image.Image:
     top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) <= 65535 else float(values.max())
     scaled = np.clip(np.rint(values / top * 255.0), 0, 255).astype(np.uint8)
     return Image.fromarray(scaled, "L").convert("RGB")
+
+
+def to_pixels(image: Image.Image) -> torch.Tensor:
+    """An 8-bit image (RGB or L) as a float ``[C, H, W]`` tensor in [-1, 1], as the models train on it."""
+    array = np.asarray(image, dtype=np.float32)
+    return torch.from_numpy(array.copy()).reshape(array.shape[0], array.shape[1], -1).permute(2, 0, 1) / 127.5 - 1.0

@@ -40,7 +40,7 @@ from lightning_tbp.privacy import (
 )
 from lightning_tbp.remat import Option, Plan
 from lightning_tbp.remat.apply import InstalledWrappers
-from lightning_tbp.testing.zoo_models import BENCH_ONLY, HELD_OUT, ZOO
+from lightning_tbp.testing.zoo_models import BENCH_ONLY, DP_HELD_OUT, HELD_OUT, ZOO
 from lightning_tbp.testing.zoo_models import sample as zoo_sample
 
 B, T, D = 5, 4, 8  # no two alike, so a layout mix-up cannot pass for the batch
@@ -918,6 +918,19 @@ _HELD_OUT_REFUSED = {"qwen_image": "transformer_blocks.2.attn.to_add_out.weight"
 _LOOPED_REFERENCE = {"lumina2"}
 
 
+def _per_sample_loss(case: Any) -> tuple[Callable, dict]:
+    """A zoo case's per-sample MSE as ``loss(call, rows)``, and its batched inputs as rows."""
+    leaves, spec = tree_flatten((case.args, case.kwargs))
+    batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == _ZOO_BATCH for x in leaves]
+    batch = {f"{i}": x for i, (x, b) in enumerate(zip(leaves, batched, strict=True)) if b} | {"target": case.target}
+
+    def loss(call: Callable, rows: dict) -> torch.Tensor:
+        args, kwargs = tree_unflatten([rows.get(f"{i}", x) for i, x in enumerate(leaves)], spec)
+        return (zoo_sample(call(*args, **kwargs)).float() - rows["target"]).square().flatten(1).mean(1)
+
+    return loss, batch
+
+
 @functools.cache
 def _zoo_reference(name: str) -> tuple[nn.Module, Callable, dict, Any, torch.Tensor, float]:
     """A zoo (or held-out) model with its per-sample loss, and ``torch.func``'s clipped sum at the
@@ -926,13 +939,7 @@ def _zoo_reference(name: str) -> tuple[nn.Module, Callable, dict, Any, torch.Ten
     for module in case.model.modules():  # DiT drops class labels at random in training: no draws
         if hasattr(module, "dropout_prob"):
             module.dropout_prob = 0.0
-    leaves, spec = tree_flatten((case.args, case.kwargs))
-    batched = [isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == _ZOO_BATCH for x in leaves]
-    batch = {f"{i}": x for i, (x, b) in enumerate(zip(leaves, batched, strict=True)) if b} | {"target": case.target}
-
-    def loss(call: Callable, rows: dict) -> torch.Tensor:
-        args, kwargs = tree_unflatten([rows.get(f"{i}", x) for i, x in enumerate(leaves)], spec)
-        return (zoo_sample(call(*args, **kwargs)).float() - rows["target"]).square().flatten(1).mean(1)
+    loss, batch = _per_sample_loss(case)
 
     if name in _ZOO_REFUSED or name in _HELD_OUT_REFUSED:
         return case.model, loss, batch, {}, torch.empty(0), 0.0
@@ -1006,3 +1013,41 @@ def test_every_zoo_architecture_is_clipped_exactly_under_a_plan(name: str, mode:
             pass
     finally:
         plan.remove()
+
+
+#: DP-only held-out architectures the engine refuses, with the error and what it must name:
+#: OmniGen's text-to-image call leaves its image projection unused; its conditioning image is a
+#: batch of one that belongs to sample 0 alone.
+_DP_HELD_OUT_REFUSED = {
+    "omnigen": (CoverageError, "patch_embedding.input_image_proj.weight"),
+    "omnigen_image": (PerSampleLossError, "patch_embedding.input_image_proj"),
+}
+
+#: Referenced by ``vmap(grad)``, which runs the batched kernels: HunyuanVideo's VAE run on one
+#: sample at a time differs from its batched run by ~6e-4 in the per-sample norms (not yet
+#: understood; the engine agrees with ``vmap`` to ~2e-6).
+_DP_HELD_OUT_VMAPPED = {"hunyuan_video_vae", "kandinsky5"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ghost", "bookkeeping"])
+@pytest.mark.parametrize("name", sorted(DP_HELD_OUT))
+def test_dp_held_out_architectures_are_clipped_exactly_or_refused_by_name(name: str, mode: str) -> None:
+    """OmniGen, GLM-Image, HunyuanVideo's VAE and Kandinsky 5 against the reference one sample at a
+    time (their data-dependent ops stop ``vmap``). GLM-Image zeroes dropped prior embeddings in
+    place and OmniGen writes image tokens into its text embedding's output: both crashed on the
+    view the engine's tap returned, before the tap made such outputs itself."""
+    case = DP_HELD_OUT[name].case(batch=_ZOO_BATCH)
+    model = case.model.eval()
+    loss, batch = _per_sample_loss(case)
+
+    if name in _DP_HELD_OUT_REFUSED:
+        error, match = _DP_HELD_OUT_REFUSED[name]
+        _assert_refused(model, mode, loss, batch, error, match)
+        if error is not CoverageError:
+            return
+        model.patch_embedding.input_image_proj.requires_grad_(False)  # the way out docs/privacy.md gives
+    reference = per_sample_grads if name in _DP_HELD_OUT_VMAPPED else per_sample_grads_looped
+    expected, norms, threshold = clipped_at_median(reference(model, loss, batch))
+    with _exact_step(model, mode, loss, batch, expected, norms, threshold) as engine:
+        assert 0 < int((engine.clip_coefficients < 1).sum()) < _ZOO_BATCH  # some clipped, some not

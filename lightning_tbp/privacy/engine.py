@@ -116,6 +116,31 @@ class _Tap(torch.autograd.Function):
         return (None, None, grad_output, *([None] * len(saved)))
 
 
+class _SourceTap(torch.autograd.Function):
+    """The layer's op itself, for an input that needs no gradient (token indices, the data): its
+    output is made here rather than passed through, so it is no view of an input and the model may
+    write into it in place (OmniGen writes its conditioning images' tokens into the text
+    embedding's output), which autograd forbids on a view a custom Function returns. The op's
+    operands come back through ``made`` for the profile's notes."""
+
+    @staticmethod
+    @override
+    def forward(ctx: Any, slot: _Slot, anchor: Tensor, x: Tensor, made: list) -> Tensor:
+        output, saved = slot.handler.forward(slot.module, x)
+        ctx.slot = slot
+        ctx.recorded = recorded_call()
+        ctx.save_for_backward(*saved)
+        made.append(saved)
+        return output
+
+    @staticmethod
+    @override
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[None, ...]:
+        saved = ctx.saved_tensors
+        ctx.slot.engine._receive(ctx.slot, saved, grad_output, replayed(ctx.recorded))
+        return None, None, None, None
+
+
 def _bytes(tensors: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
 
@@ -216,8 +241,13 @@ class DPEngine:
         x = self.completion.mark_input(tuple(slot.params.values()), x)
         self._handler_reads += 1  # the handler reads the real parameters (no tracked tensors, no ops)
         try:
-            output, saved = slot.handler.forward(slot.module, x)
-            tapped = _Tap.apply(slot, self.anchor, output, *saved)
+            if x.requires_grad:
+                output, saved = slot.handler.forward(slot.module, x)
+                tapped = _Tap.apply(slot, self.anchor, output, *saved)
+            else:
+                made: list[tuple[Tensor, ...]] = []
+                output = tapped = _SourceTap.apply(slot, self.anchor, x, made)
+                (saved,) = made
             if not profiling_notes():
                 return tapped
             batch = self._samples_in(x.shape[0])

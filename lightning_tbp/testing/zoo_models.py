@@ -10,6 +10,8 @@ joint-attention streams, the temporal axis) is the full models'.
 
 ``HELD_OUT`` holds more architectures that no part of the planner or the DP engine was built or
 tuned on; the tests check every promise on them once (``zoo.py --held-out`` benchmarks them).
+``DP_HELD_OUT`` holds architectures checked so far under DP only (per-sample clipping against
+the reference): the planner's promises have not been run on them.
 """
 
 from __future__ import annotations
@@ -623,5 +625,130 @@ HELD_OUT = {
         Architecture("hunyuan_video", "HunyuanVideo (token refiner, guidance)", _hunyuan_video, _hunyuan_video_inputs),
         Architecture("lumina2", "Lumina 2 (grouped-query attention, caption refiner)", _lumina2, _lumina2_inputs),
         Architecture("qwen_image", "Qwen-Image (MMDiT)", _qwen_image, _qwen_image_inputs),
+    )
+}
+
+
+def _omnigen() -> nn.Module:
+    from diffusers import OmniGenTransformer2DModel
+
+    return OmniGenTransformer2DModel(
+        hidden_size=16,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=32,
+        num_layers=2,
+        pad_token_id=0,
+        vocab_size=100,
+        in_channels=4,
+        time_step_dim=4,
+        rope_scaling={"long_factor": [1, 2], "short_factor": [1, 2]},
+    )
+
+
+_OMNIGEN_TEXT = 24
+
+
+def _omnigen_inputs(with_image: bool) -> Callable[[torch.Generator, int], tuple[tuple, dict[str, Any]]]:
+    """OmniGen's call: text tokens, then (``with_image``) one conditioning image whose 16 patch
+    tokens its forward writes, in place, over the first 16 text tokens of sample 0, as its
+    pipeline places an image in a prompt."""
+
+    def inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+        length = _OMNIGEN_TEXT + 1 + 16  # text, the time token, the 4x4 patches of an 8x8 latent
+        ids = torch.randint(1, 10, (batch, _OMNIGEN_TEXT), generator=generator)
+        images = [_randn(generator, 1, 4, 8, 8)] if with_image else []
+        sizes = {0: [[0, 16]]} if with_image else {}
+        mask, positions = torch.ones(batch, length, length), torch.arange(length).repeat(batch, 1)
+        return (_randn(generator, batch, 4, 8, 8), torch.rand(batch, generator=generator), ids, images, sizes), {
+            "attention_mask": mask,
+            "position_ids": positions,
+        }
+
+    return inputs
+
+
+def _glm_image() -> nn.Module:
+    from diffusers import GlmImageTransformer2DModel
+
+    return GlmImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4,
+        out_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        text_embed_dim=32,
+        time_embed_dim=16,
+        condition_dim=8,
+        prior_vq_quantizer_codebook_size=64,
+    )
+
+
+def _glm_image_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    """GLM-Image's call: one prior token per 2x2 patch of an 8x8 latent; its forward zeroes the
+    dropped ones' embeddings in place."""
+    prior = torch.randint(0, 64, (batch, 16), generator=generator)
+    size, crop = torch.tensor([[8.0, 8.0]] * batch), torch.zeros(batch, 2)
+    latents, text = _randn(generator, batch, 4, 8, 8), _randn(generator, batch, 12, 32)
+    drop = torch.zeros(batch, 16, dtype=torch.bool)
+    return (latents, text, prior, drop, _timesteps(generator, batch), size, crop), {}
+
+
+def _hunyuan_video_vae() -> nn.Module:
+    from diffusers import AutoencoderKLHunyuanVideo
+
+    return AutoencoderKLHunyuanVideo(
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        norm_num_groups=4,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )
+
+
+def _hunyuan_video_vae_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    return (_randn(generator, batch, 3, 5, 16, 16),), {"sample_posterior": False}
+
+
+def _kandinsky5() -> nn.Module:
+    from diffusers import Kandinsky5Transformer3DModel
+
+    return Kandinsky5Transformer3DModel(
+        in_visual_dim=4,
+        in_text_dim=16,
+        in_text_dim2=8,
+        time_dim=8,
+        out_visual_dim=4,
+        model_dim=32,
+        ff_dim=64,
+        num_text_blocks=1,
+        num_visual_blocks=2,
+        axes_dims=(4, 2, 2),
+    )
+
+
+def _kandinsky5_inputs(generator: torch.Generator, batch: int) -> tuple[tuple, dict[str, Any]]:
+    frames, size, text = 2, 4, 3
+    video, caption = _randn(generator, batch, frames, size, size, 4), _randn(generator, batch, text, 16)
+    grid = (torch.arange(frames), torch.arange(size // 2), torch.arange(size // 2))
+    time, pooled = torch.rand(batch, generator=generator), _randn(generator, batch, 8)
+    return (video, caption, time, pooled, grid, torch.arange(text)), {}
+
+
+DP_HELD_OUT = {
+    arch.name: arch
+    for arch in (
+        Architecture("omnigen", "OmniGen (text tokens, no conditioning image)", _omnigen, _omnigen_inputs(False)),
+        Architecture("omnigen_image", "OmniGen (a conditioning image in the prompt)", _omnigen, _omnigen_inputs(True)),
+        Architecture("glm_image", "GLM-Image (prior tokens, in-place drop)", _glm_image, _glm_image_inputs),
+        Architecture(
+            "hunyuan_video_vae", "HunyuanVideo VAE (causal 3-D)", _hunyuan_video_vae, _hunyuan_video_vae_inputs
+        ),
+        Architecture("kandinsky5", "Kandinsky 5 (video transformer)", _kandinsky5, _kandinsky5_inputs),
     )
 }
